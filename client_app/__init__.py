@@ -1,0 +1,1 @@
+"""The Flower ClientApp and the local objectives."""

@@ -1,0 +1,1 @@
+"""Shared pieces of the fedmm Flower app: data, models, config and results."""

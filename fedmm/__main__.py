@@ -1,0 +1,3 @@
+from fedmm.cli import main
+
+main()

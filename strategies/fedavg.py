@@ -1,0 +1,108 @@
+"""FedAvg (McMahan et al. 2017): Flower's strategy with reproducible sampling and reply checks.
+
+Aggregation is Flower's own sample-size weighted mean (``aggregate_arrayrecords``); this
+subclass only changes *which* nodes are sampled (seeded, see :class:`NodeSampler`) and drops
+malformed replies instead of failing the round.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
+
+import numpy as np
+
+from strategies.common import (
+    NodeSampler,
+    arrays_to_numpy,
+    check_reply,
+    log_round_replies,
+    model_spec,
+    numpy_to_arrays,
+)
+
+
+class FedAvg(FlowerFedAvg):
+    """Sample K clients per round, average their models weighted by ``num-examples``.
+
+    Parameters
+    ----------
+    clients_per_round : int
+        K, the number of clients sampled per round.
+    seed : int
+        Seeds the client sampling.
+    fraction_evaluate : float
+        Share of the connected clients that run federated evaluation each round.
+    """
+
+    def __init__(self, clients_per_round: int, seed: int, fraction_evaluate: float = 0.0) -> None:
+        super().__init__(
+            fraction_train=1.0,
+            fraction_evaluate=fraction_evaluate,
+            min_train_nodes=clients_per_round,
+            min_available_nodes=clients_per_round,
+        )
+        self.clients_per_round = clients_per_round
+        self.sampler = NodeSampler(seed, clients_per_round)
+        self._spec: dict | None = None
+        self._expected = 0
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Send the global model to K seeded-sampled nodes."""
+        self._spec = model_spec(arrays_to_numpy(arrays))
+        node_ids = self.sampler.sample(grid, server_round)
+        self._expected = len(node_ids)
+        config["server-round"] = server_round
+        record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
+        return self._construct_messages(record, node_ids, MessageType.TRAIN)
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Drop failed or malformed replies, then Flower's weighted mean over the rest."""
+        valid, rejected = [], []
+        for reply in replies:
+            model, reason = check_reply(reply, self._spec or {})
+            if model is None:
+                rejected.append(f"node {reply.metadata.src_node_id}: {reason}")
+            else:
+                valid.append(reply)
+        log_round_replies(server_round, self._expected, len(valid), rejected)
+        if not valid:
+            return None, None
+        arrays, metrics = super().aggregate_train(server_round, valid)
+        # Flower's weighted mean turns integer buffers (BatchNorm's num_batches_tracked) into
+        # floats; cast back so the global model keeps the dtypes clients send and expect.
+        model = arrays_to_numpy(arrays)
+        for key, (_, dtype) in self._spec.items():
+            if model[key].dtype != dtype:
+                model[key] = np.rint(model[key]).astype(dtype) if np.issubdtype(dtype, np.integer) else model[key].astype(dtype)
+        return numpy_to_arrays(model), metrics
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Federated evaluation on a seeded sample of ``fraction_evaluate`` of the nodes."""
+        if self.fraction_evaluate == 0.0:
+            return []
+        num_nodes = len(list(grid.get_node_ids()))
+        size = max(1, min(num_nodes, int(num_nodes * self.fraction_evaluate)))
+        node_ids = self.sampler.sample(grid, -server_round, size=size)
+        config["server-round"] = server_round
+        record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
+        return self._construct_messages(record, node_ids, MessageType.EVALUATE)
+
+
+def from_config(cfg: Mapping[str, Any]) -> FedAvg:
+    """Build FedAvg from the resolved run config."""
+    return FedAvg(
+        clients_per_round=cfg["clients_per_round"],
+        seed=cfg["seed"],
+        fraction_evaluate=cfg["strategy"].get("fraction_evaluate", 0.0),
+    )

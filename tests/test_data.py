@@ -1,0 +1,442 @@
+"""Tests of fedmm.data: loading, partitioning, histograms and minibatches (offline)."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from fedmm import data as D
+from fedmm.errors import ConfigError
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+DATASET_KEYS = set(D._DATASET_KEYS)
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch):
+    """No test may reach the network (the HF hub is unreachable here anyway)."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True, raising=False)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True, raising=False)
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError("a test tried to load a dataset from the Hugging Face hub")
+
+    monkeypatch.setattr(datasets, "load_dataset", no_hub)
+
+
+def dataset_cfg(which: str, **overrides) -> dict:
+    cfg = yaml.safe_load((CONF / "dataset" / f"{which}.yaml").read_text())
+    cfg.update(overrides)
+    return cfg
+
+
+def partition_cfg(which: str, **overrides) -> dict:
+    cfg = yaml.safe_load((CONF / "partition" / f"{which}.yaml").read_text())
+    cfg.update(overrides)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def mnist5k():
+    return D.load_dataset(dataset_cfg("mnist5k"))
+
+
+def tv_skew(labels: np.ndarray, parts: list[np.ndarray], num_classes: int) -> float:
+    """Mean total-variation distance between client and global label distributions."""
+    hist = D.label_histograms(labels, parts, num_classes).astype(float)
+    client = hist / hist.sum(axis=1, keepdims=True)
+    overall = np.bincount(labels, minlength=num_classes) / len(labels)
+    return float(0.5 * np.abs(client - overall).sum(axis=1).mean())
+
+
+# ------------------------------------------------------------------------- configs
+
+
+def test_yaml_files_have_the_full_schema_and_validate():
+    for path in sorted((CONF / "dataset").glob("*.yaml")):
+        cfg = yaml.safe_load(path.read_text())
+        assert set(cfg) == DATASET_KEYS, path.name
+        assert cfg["name"] == path.stem
+        D.check_dataset_config(cfg)  # defaults must pass validation
+        assert D.expected_num_classes(cfg) == cfg["num_classes"]
+    assert {p.stem for p in (CONF / "dataset").glob("*.yaml")} == set(D.DATASET_NAMES)
+    for name in D.PARTITION_NAMES:
+        D.check_partition_config(partition_cfg(name))
+    with pytest.raises(ConfigError, match="partition.alpha"):
+        D.check_partition_config(partition_cfg("dirichlet", alpha=0.0))
+    with pytest.raises(ConfigError, match="dataset.label_type"):
+        D.check_dataset_config(dataset_cfg("cifar10", label_type="fine"))
+
+
+def test_dictconfig_is_accepted(mnist5k):
+    from omegaconf import OmegaConf
+
+    train, test = D.load_dataset(OmegaConf.create(dataset_cfg("mnist5k")))
+    assert train is mnist5k[0] and test is mnist5k[1]  # same cache entry as a dict
+
+
+# ------------------------------------------------------------------------- mnist5k
+
+
+def test_mnist5k_loads_with_a_fixed_stratified_test_split(mnist5k):
+    train, test = mnist5k
+    assert len(train) == 4000 and len(test) == 1000
+    for split in (train, test):
+        assert split.x.dtype == torch.uint8 and split.y.dtype == torch.int64
+        assert split.x.shape[1:] == (1, 28, 28)
+        assert split.ids is None
+        assert set(split.y.tolist()) == set(range(10))
+    assert np.bincount(test.y.numpy()).tolist() == [100] * 10  # stratified
+    assert int(train.x.max()) > 200  # raw 0..255 pixels, not rescaled
+
+    D._load_dataset_cached.cache_clear()  # a genuinely fresh load gives the same split
+    train2, test2 = D.load_dataset(dataset_cfg("mnist5k"))
+    assert torch.equal(test.x, test2.x) and torch.equal(test.y, test2.y)
+    assert torch.equal(train.x, train2.x)
+
+
+def test_load_dataset_is_cached():
+    a = D.load_dataset(dataset_cfg("mnist5k"))
+    b = D.load_dataset(dataset_cfg("mnist5k"))
+    assert a[0] is b[0] and a[1] is b[1]
+
+
+# ----------------------------------------------------------------------- partitions
+
+
+@pytest.mark.parametrize("name", ["iid", "dirichlet"])
+def test_every_sample_is_assigned_exactly_once(mnist5k, name):
+    train = mnist5k[0]
+    parts = D.partition_indices(train, partition_cfg(name), 10, seed=1)
+    assert len(parts) == 10
+    allidx = np.concatenate(parts)
+    assert len(allidx) == len(train)
+    assert np.array_equal(np.sort(allidx), np.arange(len(train)))
+    assert all(p.dtype == np.int64 for p in parts)
+    if name == "iid":
+        assert {len(p) for p in parts} == {400}
+    else:
+        assert min(len(p) for p in parts) >= 10  # min_partition_size
+
+
+def test_dirichlet_skew_grows_as_alpha_shrinks(mnist5k):
+    train = mnist5k[0]
+    labels = train.y.numpy()
+    skew = {
+        "iid": tv_skew(labels, D.partition_indices(train, partition_cfg("iid"), 20, seed=3), 10),
+        1.0: tv_skew(labels, D.partition_indices(train, partition_cfg("dirichlet", alpha=1.0), 20, seed=3), 10),
+        0.1: tv_skew(
+            labels,
+            D.partition_indices(train, partition_cfg("dirichlet", alpha=0.1, min_partition_size=1), 20, seed=3),
+            10,
+        ),
+    }
+    assert skew[0.1] > skew[1.0] > skew["iid"]
+    assert skew["iid"] < 0.15 and skew[0.1] > 0.5
+
+
+@pytest.mark.parametrize("name", ["iid", "dirichlet"])
+def test_partitions_depend_only_on_the_seed(mnist5k, name):
+    train = mnist5k[0]
+    first = D.partition_indices(train, partition_cfg(name), 8, seed=5)
+    D._partition_cached.cache_clear()  # recompute rather than hit the cache
+    again = D.partition_indices(train, partition_cfg(name), 8, seed=5)
+    other = D.partition_indices(train, partition_cfg(name), 8, seed=6)
+    assert all(np.array_equal(a, b) for a, b in zip(first, again))
+    assert not all(np.array_equal(a, b) for a, b in zip(first, other))
+
+
+def make_writers(counts: list[int], seed: int = 0) -> D.ImageData:
+    """Tiny data set whose rows belong to writers w00, w01, ... (shuffled rows)."""
+    rng = np.random.default_rng(seed)
+    ids = np.repeat([f"w{i:02d}" for i in range(len(counts))], counts)
+    ids = ids[rng.permutation(len(ids))]
+    n = len(ids)
+    return D.ImageData(
+        x=torch.zeros(n, 1, 4, 4, dtype=torch.uint8),
+        y=torch.from_numpy(rng.integers(0, 3, n)),
+        ids=ids,
+    )
+
+
+def assert_one_whole_id_per_partition(data: D.ImageData, parts: list[np.ndarray]) -> list[str]:
+    seen = []
+    for part in parts:
+        owners = set(data.ids[part].tolist())
+        assert len(owners) == 1
+        (owner,) = owners
+        assert np.array_equal(part, np.flatnonzero(data.ids == owner))  # all its rows
+        seen.append(owner)
+    assert len(set(seen)) == len(seen)
+    return seen
+
+
+def test_natural_partitions_group_ids():
+    data = make_writers([5, 3, 7, 2, 6, 4])
+    parts = D.partition_indices(data, partition_cfg("natural"), 6, seed=0)
+    assert sorted(assert_one_whole_id_per_partition(data, parts)) == [f"w{i:02d}" for i in range(6)]
+
+
+def test_natural_filters_small_ids_and_samples_a_seeded_subset():
+    counts = [5, 3, 7, 2, 6, 4, 9, 8, 1, 5]
+    data = make_writers(counts)
+    cfg = partition_cfg("natural", min_samples=3)  # keeps the 7 ids with > 3 samples
+    big = {f"w{i:02d}" for i, c in enumerate(counts) if c > 3}
+    chosen = assert_one_whole_id_per_partition(data, D.partition_indices(data, cfg, 4, seed=1))
+    assert set(chosen) <= big and len(chosen) == 4
+    D._partition_cached.cache_clear()
+    again = assert_one_whole_id_per_partition(data, D.partition_indices(data, cfg, 4, seed=1))
+    assert again == chosen
+    subsets = {
+        frozenset(assert_one_whole_id_per_partition(data, D.partition_indices(data, cfg, 4, seed=s)))
+        for s in range(6)
+    }
+    assert len(subsets) > 1  # the subset follows the seed
+    with pytest.raises(ConfigError, match="num_clients") as err:
+        D.partition_indices(data, cfg, 8, seed=0)
+    assert "7" in str(err.value)  # says how many ids exist
+
+
+def test_load_partition_returns_the_cached_shard(mnist5k):
+    dcfg, pcfg = dataset_cfg("mnist5k"), partition_cfg("dirichlet")
+    shard = D.load_partition(dcfg, pcfg, 2, 10, seed=4)
+    parts = D.partition_indices(mnist5k[0], pcfg, 10, seed=4)
+    assert torch.equal(shard.y, mnist5k[0].y[torch.from_numpy(np.array(parts[2]))])
+    assert torch.equal(shard.x, mnist5k[0].x[torch.from_numpy(np.array(parts[2]))])
+    assert D.load_partition(dcfg, pcfg, 2, 10, seed=4) is shard
+    with pytest.raises(ConfigError, match="partition_id"):
+        D.load_partition(dcfg, pcfg, 10, 10, seed=4)
+
+
+# --------------------------------------------------------------------- config errors
+
+
+@pytest.mark.parametrize(
+    ("pcfg", "num_partitions", "key"),
+    [
+        (partition_cfg("dirichlet", alpha=0), 10, "partition.alpha"),
+        (partition_cfg("dirichlet", alpha=-0.5), 10, "partition.alpha"),
+        (partition_cfg("dirichlet", alpha="big"), 10, "partition.alpha"),
+        ({"name": "pathological"}, 10, "partition.name"),
+        (partition_cfg("natural"), 10, "dataset.id_column"),
+        (partition_cfg("iid"), 4001, "num_clients"),
+        (partition_cfg("iid"), 0, "num_clients"),
+        (partition_cfg("dirichlet", min_partition_size=500), 10, "partition.min_partition_size"),
+        (partition_cfg("dirichlet", alpha=0.01, min_partition_size=300), 10, "partition.min_partition_size"),
+    ],
+)
+def test_partition_config_errors_name_the_key(mnist5k, pcfg, num_partitions, key):
+    with pytest.raises(ConfigError) as err:
+        D.partition_indices(mnist5k[0], pcfg, num_partitions, seed=0)
+    assert err.value.key == key
+    assert key in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        ({"source": "ftp"}, "dataset.source"),
+        ({"name": "imagenet"}, "dataset.name"),
+        ({"path": "/nonexistent/fedmm-data"}, "dataset.path"),
+        ({"num_classes": 100}, "dataset.num_classes"),  # coarse needs 20
+        ({"label_type": "medium"}, "dataset.label_type"),
+        ({"label_type": "fine"}, "dataset.num_classes"),  # fine needs 100
+        ({"hf_id": None}, "dataset.hf_id"),
+        ({"mean": [0.5]}, "dataset.mean"),
+        ({"test_fraction": 1.5}, "dataset.test_fraction"),
+    ],
+)
+def test_dataset_config_errors_name_the_key(overrides, key):
+    with pytest.raises(ConfigError) as err:
+        D.load_dataset(dataset_cfg("cifar100", **overrides))
+    assert err.value.key == key
+    assert key in str(err.value)
+
+
+def test_embedded_source_only_for_mnist5k():
+    with pytest.raises(ConfigError, match="dataset.source"):
+        D.load_dataset(dataset_cfg("cifar10", source="embedded", hf_id=None))
+
+
+def test_empty_local_folder_is_rejected(tmp_path):
+    with pytest.raises(ConfigError, match="dataset.path"):
+        D.load_dataset(dataset_cfg("cifar10", path=str(tmp_path)))
+
+
+# --------------------------------------------------------------------- local folders
+
+
+def random_images(rng, n: int, shape: tuple[int, ...]) -> np.ndarray:
+    return rng.integers(0, 256, (n, *shape), dtype=np.uint8)
+
+
+def test_save_to_disk_datasetdict_loads(tmp_path):
+    import datasets
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    features = datasets.Features({"img": datasets.Image(), "label": datasets.ClassLabel(num_classes=10)})
+    arrays = {}
+    splits = {}
+    for split, n in (("train", 12), ("test", 5)):
+        arrays[split] = (random_images(rng, n, (32, 32, 3)), rng.integers(0, 10, n))
+        splits[split] = datasets.Dataset.from_dict(
+            {"img": [Image.fromarray(a) for a in arrays[split][0]], "label": arrays[split][1].tolist()},
+            features=features,
+        )
+    datasets.DatasetDict(splits).save_to_disk(str(tmp_path / "cifar"))
+
+    train, test = D.load_dataset(dataset_cfg("cifar10", path=str(tmp_path / "cifar")))
+    for split, data in (("train", train), ("test", test)):
+        images, labels = arrays[split]
+        assert data.x.shape == (len(labels), 3, 32, 32) and data.x.dtype == torch.uint8
+        assert np.array_equal(data.x.numpy(), images.transpose(0, 3, 1, 2))  # HWC -> CHW
+        assert np.array_equal(data.y.numpy(), labels)
+
+    # The same folder does not fit a 28x28 grayscale config.
+    with pytest.raises(ConfigError, match="dataset.in_channels"):
+        D.load_dataset(dataset_cfg("mnist", path=str(tmp_path / "cifar"), image_column="img"))
+
+
+def test_save_to_disk_single_split_with_ids_holds_out_a_test_set(tmp_path):
+    import datasets
+
+    rng = np.random.default_rng(1)
+    n = 60
+    writers = np.repeat(["a", "b", "c", "d"], [10, 20, 12, 18])
+    ds = datasets.Dataset.from_dict(
+        {
+            "image": random_images(rng, n, (28, 28)).tolist(),
+            "character": rng.integers(0, 62, n).tolist(),
+            "writer_id": writers.tolist(),
+        }
+    )
+    ds.save_to_disk(str(tmp_path / "femnist"))
+    cfg = dataset_cfg("femnist", path=str(tmp_path / "femnist"))
+    train, test = D.load_dataset(cfg)
+    assert len(train) == 48 and len(test) == 12  # test_fraction = 0.2
+    assert train.x.shape[1:] == (1, 28, 28)
+    assert train.ids is not None and set(train.ids.tolist()) == {"a", "b", "c", "d"}
+    # The hold-out uses a fixed seed: a fresh load gives the same test rows.
+    D._load_dataset_cached.cache_clear()
+    assert torch.equal(D.load_dataset(cfg)[1].x, test.x)
+
+    parts = D.partition_indices(train, partition_cfg("natural"), 4, seed=0)
+    assert_one_whole_id_per_partition(train, parts)
+    shard = D.load_partition(cfg, partition_cfg("natural"), 0, 4, seed=0)
+    assert len(set(shard.ids.tolist())) == 1
+
+
+def write_pickle(path: Path, obj: dict) -> None:
+    with open(path, "wb") as f:
+        pickle.dump(obj, f)
+
+
+def test_cifar10_python_batches_load(tmp_path):
+    rng = np.random.default_rng(2)
+    root = tmp_path / "cifar-10-batches-py"
+    root.mkdir()
+    flat, labels = [], []
+    for i in range(1, 6):
+        data, lab = random_images(rng, 4, (3072,)), rng.integers(0, 10, 4).tolist()
+        write_pickle(root / f"data_batch_{i}", {b"data": data, b"labels": lab})
+        flat.append(data)
+        labels += lab
+    test_data = random_images(rng, 3, (3072,))
+    write_pickle(root / "test_batch", {b"data": test_data, b"labels": [1, 2, 3]})
+
+    # The parent folder works too.
+    train, test = D.load_dataset(dataset_cfg("cifar10", path=str(tmp_path)))
+    flat = np.concatenate(flat)
+    assert train.x.shape == (20, 3, 32, 32) and test.x.shape == (3, 3, 32, 32)
+    assert train.y.tolist() == labels and test.y.tolist() == [1, 2, 3]
+    # Row layout: 1024 red, 1024 green, 1024 blue values, each row-major.
+    assert int(train.x[7, 1, 5, 9]) == int(flat[7, 1024 + 5 * 32 + 9])
+    assert int(test.x[2, 2, 31, 0]) == int(test_data[2, 2048 + 31 * 32])
+
+
+def test_cifar100_python_label_type_picks_fine_or_coarse(tmp_path):
+    rng = np.random.default_rng(3)
+    root = tmp_path / "cifar-100-python"
+    root.mkdir()
+    parts = {}
+    for split, n in (("train", 10), ("test", 4)):
+        parts[split] = {
+            b"data": random_images(rng, n, (3072,)),
+            b"fine_labels": rng.integers(0, 100, n).tolist(),
+            b"coarse_labels": rng.integers(0, 20, n).tolist(),
+        }
+        write_pickle(root / split, parts[split])
+    coarse = D.load_dataset(dataset_cfg("cifar100", path=str(root)))
+    fine = D.load_dataset(dataset_cfg("cifar100", path=str(root), label_type="fine", num_classes=100))
+    for i, split in enumerate(("train", "test")):
+        assert coarse[i].y.tolist() == parts[split][b"coarse_labels"]
+        assert fine[i].y.tolist() == parts[split][b"fine_labels"]
+        assert torch.equal(coarse[i].x, fine[i].x)
+    with pytest.raises(ConfigError, match="dataset.num_classes"):
+        D.load_dataset(dataset_cfg("cifar100", path=str(root), label_type="fine"))
+
+
+# ----------------------------------------------------------------- label statistics
+
+
+def test_label_histograms_exact():
+    labels = np.array([0, 1, 1, 2, 2, 2, 0, 1])
+    parts = [np.array([0, 1, 2]), np.array([3, 4, 5, 6]), np.array([7]), np.array([], dtype=np.int64)]
+    hist = D.label_histograms(labels, parts, num_classes=4)
+    assert hist.tolist() == [[1, 2, 0, 0], [1, 0, 3, 0], [0, 1, 0, 0], [0, 0, 0, 0]]
+    assert hist.dtype == np.int64
+
+
+def test_plot_label_histograms_writes_a_png(tmp_path):
+    hist = np.array([[5, 0, 1], [0, 3, 9]])
+    out = tmp_path / "plots" / "labels.png"
+    D.plot_label_histograms(hist, out)
+    assert out.stat().st_size > 1000
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------------- minibatches
+
+
+def small_data(n: int = 23, channels: int = 3) -> D.ImageData:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 256, (n, channels, 4, 4), generator=g, dtype=torch.uint8)
+    return D.ImageData(x=x, y=torch.arange(n, dtype=torch.int64))  # label = row number
+
+
+def test_batches_cover_every_sample_once_per_epoch():
+    data = small_data()
+    kwargs = dict(mean=[0.5] * 3, std=[0.5] * 3)
+    g = torch.Generator().manual_seed(7)
+    seen = [yb for _, yb in D.batches(data, 5, shuffle=True, generator=g, **kwargs)]
+    assert [len(b) for b in seen] == [5, 5, 5, 5, 3]
+    order = torch.cat(seen)
+    assert sorted(order.tolist()) == list(range(23))
+    assert order.tolist() != list(range(23))  # actually shuffled
+    again = torch.cat([yb for _, yb in D.batches(data, 5, shuffle=True, generator=torch.Generator().manual_seed(7), **kwargs)])
+    assert torch.equal(order, again)  # same generator seed -> same order
+    plain = torch.cat([yb for _, yb in D.batches(data, 5, shuffle=False, generator=None, **kwargs)])
+    assert plain.tolist() == list(range(23))
+
+
+def test_batches_normalise_per_channel():
+    data = small_data(n=10)
+    mean, std = [0.1, 0.5, 0.9], [0.2, 0.3, 0.4]
+    got = torch.cat([xb for xb, _ in D.batches(data, 4, shuffle=False, generator=None, mean=mean, std=std)])
+    want = (data.x.float() / 255 - torch.tensor(mean).view(1, 3, 1, 1)) / torch.tensor(std).view(1, 3, 1, 1)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # Shuffled batches carry matching images and labels.
+    g = torch.Generator().manual_seed(1)
+    for xb, yb in D.batches(data, 3, shuffle=True, generator=g, mean=mean, std=std):
+        torch.testing.assert_close(xb, want[yb], atol=1e-5, rtol=1e-5)
