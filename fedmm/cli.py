@@ -10,6 +10,7 @@ SuperNodes; results go to the hydra job directory.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,8 @@ def _hydra_main(cfg: DictConfig) -> None:
         config_mod.validate(resolved)
     except ConfigError as err:
         raise SystemExit(str(err)) from None
+    # Flower logs to its own console handler; stop hydra's root handler from printing it twice.
+    logging.getLogger("flwr").propagate = False
     print(f"fedmm: results -> {resolved['output_dir']}", flush=True)
     run_dir = run_job(resolved)
     print(f"fedmm: results written to {run_dir}", flush=True)

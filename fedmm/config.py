@@ -38,6 +38,8 @@ CONF_DIR = Path(os.environ.get("FEDMM_CONF_DIR") or _find_conf_dir())
 GROUPS = ("strategy", "dataset", "partition", "model", "training", "simulation")
 #: Top-level scalar keys a ``flwr run -c`` may set directly.
 SCALAR_KEYS = ("num_rounds", "seed", "eval_every", "num_clients", "clients_per_round", "output_dir")
+#: Top-level keys set only in conf/ or by hydra overrides.
+OTHER_KEYS = ("round_timeout", "results_root")
 
 
 def group_options(group: str) -> list[str]:
@@ -124,6 +126,9 @@ def validate(cfg: DictConfig | Mapping[str, Any]) -> None:
     from strategies import STRATEGIES
 
     c = to_container(cfg)
+    unknown = sorted(set(c) - set(GROUPS) - set(SCALAR_KEYS) - set(OTHER_KEYS))
+    if unknown:
+        raise ConfigError(unknown[0], c[unknown[0]], "the top-level keys " + ", ".join(GROUPS + SCALAR_KEYS + OTHER_KEYS))
     for group in GROUPS:
         _require(isinstance(c.get(group), dict), group, c.get(group), ", ".join(group_options(group)))
 
@@ -181,6 +186,9 @@ def validate(cfg: DictConfig | Mapping[str, Any]) -> None:
     from fedmm.data import check_dataset_config, check_partition_config
 
     check_dataset_config(c["dataset"])
+    path = c["dataset"].get("path")
+    if path and not Path(os.path.expanduser(str(path))).exists():
+        raise ConfigError("dataset.path", path, "an existing local dataset folder (save_to_disk output or CIFAR python batches), or null")
     check_partition_config(c["partition"])
 
     from strategies import validate_strategy_config

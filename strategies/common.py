@@ -31,7 +31,7 @@ def arrays_to_numpy(record: ArrayRecord) -> ModelDict:
 
 def numpy_to_arrays(model: Mapping[str, np.ndarray]) -> ArrayRecord:
     """Encode a dict of numpy arrays as an ``ArrayRecord`` (order preserved)."""
-    return ArrayRecord({key: Array(np.ascontiguousarray(value)) for key, value in model.items()})
+    return ArrayRecord({key: Array(np.require(value, requirements="C")) for key, value in model.items()})
 
 
 def model_spec(model: Mapping[str, np.ndarray]) -> dict[str, tuple[tuple[int, ...], np.dtype]]:

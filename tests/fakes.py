@@ -1,0 +1,51 @@
+"""An in-process Grid for strategy unit tests: every node is a Python function."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Callable, Iterable
+
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+
+# node function: (message, node_key) -> reply content (RecordDict) or an Exception to raise
+NodeFn = Callable[[Message, str], RecordDict]
+
+
+class FakeGrid:
+    """Delivers messages to node functions; replies come back in shuffled order."""
+
+    def __init__(self, node_fn: NodeFn, num_nodes: int, seed: int = 0, drop: Iterable[str] = ()) -> None:
+        self.node_fn = node_fn
+        rng = random.Random(seed)
+        # random node ids, like Flower's: the key is what identifies a node's data
+        self.keys = {rng.getrandbits(63): f"partition:{i:09d}" for i in range(num_nodes)}
+        self.drop = set(drop)  # node keys whose replies never come back (timeouts)
+        self.sent: list[Message] = []
+        self._ids = itertools.count()
+        self._shuffle = random.Random(seed + 1)
+
+    def get_node_ids(self) -> list[int]:
+        return list(self.keys)
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
+        replies = []
+        for msg in messages:
+            msg.metadata.__dict__["_message_id"] = f"msg-{next(self._ids)}"
+            key = self.keys[msg.metadata.dst_node_id]
+            if msg.metadata.message_type == MessageType.QUERY:
+                replies.append(Message(RecordDict({"r": ConfigRecord({"node-key": key})}), reply_to=msg))
+                continue
+            self.sent.append(msg)
+            if key in self.drop:
+                continue
+            try:
+                content = self.node_fn(msg, key)
+            except Exception as err:  # a failing ClientApp becomes an error reply
+                from flwr.app import Error
+
+                replies.append(Message(Error(code=0, reason=str(err)), reply_to=msg))
+                continue
+            replies.append(Message(content, reply_to=msg))
+        self._shuffle.shuffle(replies)
+        return replies

@@ -1,0 +1,65 @@
+"""Config composition, run-config overrides and the clear errors for wrong values."""
+
+from __future__ import annotations
+
+import pytest
+
+from fedmm.config import compose, compose_from_run_config, group_options, overrides_from_run_config
+from fedmm.errors import ConfigError
+
+
+def test_defaults_compose_and_validate() -> None:
+    cfg = compose()
+    assert cfg.strategy.name == "fedavg"
+    assert cfg.dataset.name == "mnist5k"
+    assert cfg.partition.name == "dirichlet"
+    assert cfg.model.name == "cnn"
+    for key in ("num_rounds", "seed", "eval_every"):
+        assert key in cfg
+
+
+def test_run_config_becomes_hydra_overrides() -> None:
+    run_config = {"strategy": "fedmr", "num_rounds": 7, "seed": "", "overrides": "partition.alpha=0.1 training.lr=0.05"}
+    assert overrides_from_run_config(run_config) == ["strategy=fedmr", "num_rounds=7", "partition.alpha=0.1", "training.lr=0.05"]
+    cfg = compose_from_run_config(run_config)
+    assert cfg.strategy.name == "fedmr" and cfg.num_rounds == 7
+    assert cfg.partition.alpha == 0.1 and cfg.training.lr == 0.05
+    assert cfg.seed == 0  # empty value keeps the default
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "allowed"),
+    [
+        (["dataset=imagenet"], "dataset", "cifar10"),
+        (["model=resnet"], "model", "resnet20"),
+        (["strategy=fedfoo"], "strategy", "fedmr"),
+        (["partition=skewed"], "partition", "dirichlet"),
+        (["partition.alpha=0"], "partition.alpha", "> 0"),
+        (["partition.alpha=-1"], "partition.alpha", "> 0"),
+        (["clients_per_round=30"], "clients_per_round", "num_clients=20"),
+        (["num_rounds=0"], "num_rounds", ">= 1"),
+        (["eval_every=0"], "eval_every", ">= 1"),
+        (["training.lr=-0.1"], "training.lr", "> 0"),
+        (["training.batch_size=0"], "training.batch_size", ">= 1"),
+        (["dataset.path=/nonexistent/fedmm-data"], "dataset.path", "existing local dataset folder"),
+        (["strategy=fedmr", "strategy.granularity=block"], "strategy.granularity", "tensor, layer"),
+        (["strategy=fedmr", "strategy.partition_ratio=1.5"], "strategy.partition_ratio", "(0, 1]"),
+        (["simulation.client_cpus=0"], "simulation.client_cpus", "> 0"),
+        (["+nonexistent_key=1"], "nonexistent_key", "top-level keys"),
+        (["num_rounds=abc"], "num_rounds", ">= 1"),
+        (["training.nonexistent=1"], "overrides", "valid hydra overrides"),
+    ],
+)
+def test_wrong_values_name_the_key_and_the_allowed_values(overrides, key, allowed) -> None:
+    with pytest.raises(ConfigError) as info:
+        compose(overrides)
+    assert info.value.key == key
+    assert key in str(info.value)
+    assert allowed in str(info.value)
+
+
+def test_unknown_group_option_lists_all_options() -> None:
+    with pytest.raises(ConfigError) as info:
+        compose(["model=resnet"])
+    for option in group_options("model"):
+        assert option in str(info.value)

@@ -1,0 +1,68 @@
+"""FedAvg: the aggregate is the hand-computed example-weighted mean; sampling is reproducible."""
+
+from __future__ import annotations
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+
+from strategies.common import arrays_to_numpy, numpy_to_arrays
+from strategies.fedavg import FedAvg
+from tests.fakes import FakeGrid
+
+# what each node trains to, and how many examples it reports
+NODE_W = {f"partition:{i:09d}": np.full((2, 2), float(i + 1), dtype=np.float32) for i in range(4)}
+NODE_N = {f"partition:{i:09d}": float(10 * (i + 1)) for i in range(4)}
+
+
+def node(msg, key):
+    model = {"w": NODE_W[key], "steps": np.array(3, dtype=np.int64)}
+    return RecordDict({"arrays": numpy_to_arrays(model), "metrics": MetricRecord({"num-examples": NODE_N[key], "train_loss": NODE_N[key] / 10})})
+
+
+def initial():
+    return numpy_to_arrays({"w": np.zeros((2, 2), np.float32), "steps": np.array(0, dtype=np.int64)})
+
+
+def test_aggregate_equals_weighted_mean_by_hand() -> None:
+    grid = FakeGrid(node, num_nodes=4)
+    strategy = FedAvg(clients_per_round=4, seed=0)
+    messages = strategy.configure_train(1, initial(), ConfigRecord(), grid)
+    arrays, metrics = strategy.aggregate_train(1, grid.send_and_receive(messages))
+    out = arrays_to_numpy(arrays)
+    # (1*10 + 2*20 + 3*30 + 4*40) / (10+20+30+40) = 300 / 100 = 3.0
+    np.testing.assert_allclose(out["w"], np.full((2, 2), 3.0), rtol=1e-6)
+    assert out["w"].dtype == np.float32
+    assert out["steps"].dtype == np.int64 and int(out["steps"]) == 3
+    assert metrics["train_loss"] == 3.0
+
+
+def test_malformed_replies_are_dropped_not_fatal() -> None:
+    def bad_node(msg, key):
+        if key.endswith("0"):
+            return RecordDict({"arrays": numpy_to_arrays({"w": np.full((2, 2), np.nan, np.float32), "steps": np.array(1)}),
+                               "metrics": MetricRecord({"num-examples": 1.0})})
+        if key.endswith("1"):
+            raise RuntimeError("out of memory")
+        return node(msg, key)
+
+    grid = FakeGrid(bad_node, num_nodes=4)
+    strategy = FedAvg(clients_per_round=4, seed=0)
+    arrays, _ = strategy.aggregate_train(1, grid.send_and_receive(strategy.configure_train(1, initial(), ConfigRecord(), grid)))
+    # only partitions 2 and 3 count: (3*30 + 4*40) / 70
+    np.testing.assert_allclose(arrays_to_numpy(arrays)["w"], np.full((2, 2), 250 / 70), rtol=1e-6)
+
+
+def test_sampling_is_reproducible_across_node_id_assignments() -> None:
+    def sampled_keys(grid_seed: int, seed: int) -> list[list[str]]:
+        grid = FakeGrid(node, num_nodes=10, seed=grid_seed)  # different random node ids
+        strategy = FedAvg(clients_per_round=3, seed=seed)
+        out = []
+        for rnd in (1, 2, 3):
+            msgs = strategy.configure_train(rnd, initial(), ConfigRecord(), grid)
+            out.append([grid.keys[m.metadata.dst_node_id] for m in msgs])
+        return out
+
+    assert sampled_keys(0, seed=5) == sampled_keys(1, seed=5)
+    assert sampled_keys(0, seed=5) != sampled_keys(0, seed=6)
+    rounds = sampled_keys(0, seed=5)
+    assert all(len(set(r)) == 3 for r in rounds)
