@@ -94,10 +94,8 @@ def compose_from_run_config(run_config: Mapping[str, Any]) -> DictConfig:
 
 def to_container(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
     """Plain, resolved dict (no hydra node) suitable for JSON."""
-    if isinstance(cfg, DictConfig):
-        data = OmegaConf.to_container(cfg, resolve=True)
-    else:
-        data = dict(cfg)
+    node = cfg if isinstance(cfg, DictConfig) else OmegaConf.create(dict(cfg))
+    data = OmegaConf.to_container(node, resolve=True)
     data.pop("hydra", None)
     return data  # type: ignore[return-value]
 

@@ -1,0 +1,135 @@
+"""Real Flower simulations (Ray backend): `flwr run`, `fedmm -m`, and FedMR with a failing client.
+
+These are the slow tests of the suite (tens of seconds each): tiny federations, few rounds.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fedmm.config import compose, to_container
+from fedmm.results import read_metrics
+
+REPO = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """PIDs whose command line contains ``text`` (used to find the SuperLink we started)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline and int(proc.name) != os.getpid():
+            pids.append(int(proc.name))
+    return pids
+
+
+def stop_pids(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.time() + 15
+    while time.time() < deadline and any(Path(f"/proc/{p}").exists() for p in pids):
+        time.sleep(0.2)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_flwr_run_simulation_writes_metrics(tmp_path: Path) -> None:
+    flwr_home = tmp_path / "flwr-home"
+    out = tmp_path / "run"
+    env = dict(
+        os.environ,
+        FLWR_HOME=str(flwr_home),
+        FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
+        FLWR_TELEMETRY_ENABLED="0",
+        PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+    )
+    cmd = [
+        str(BIN / "flwr"), "run", str(REPO), "--stream",
+        "--federation-config", "num-supernodes=4",
+        "-c", f"num_rounds=2 clients_per_round=2 output_dir='{out}' overrides='training.local_epochs=1'",
+    ]
+    try:
+        proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=400)
+    finally:
+        stop_pids(processes_mentioning(str(flwr_home)))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = read_metrics(out)
+    assert [r["round"] for r in rows] == [0, 1, 2]
+    assert rows[-1]["accuracy"] > 0.3  # 10 classes: chance is 0.1
+    assert rows[1]["bytes_sent"] > 0 and rows[2]["bytes_sent"] == 2 * rows[1]["bytes_sent"]
+    assert rows[2]["seconds"] > rows[1]["seconds"]
+    for name in ("config.yaml", "final_model.pt", "learning_curve.png", "label_histograms.png", "summary.json"):
+        assert (out / name).stat().st_size > 0, name
+    # the federation had 4 SuperNodes although conf/ says num_clients=20: the run adapts
+    assert "num_clients: 4" in (out / "config.yaml").read_text()
+
+
+def test_fedmm_multirun_writes_one_directory_per_job(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    cmd = [
+        str(BIN / "fedmm"), "-m", "seed=0,1", "num_rounds=1", "num_clients=4", "clients_per_round=2",
+        "training.local_epochs=1", f"hydra.sweep.dir={sweep}",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs = sorted(p.parent for p in sweep.glob("*/metrics.jsonl"))
+    assert len(runs) == 2
+    assert {"seed: 0", "seed: 1"} == {next(l for l in (r / "config.yaml").read_text().splitlines() if l.startswith("seed:")) for r in runs}
+    for run in runs:
+        assert [r["round"] for r in read_metrics(run)] == [0, 1]
+
+
+def test_fedmr_simulation_dispatch_stages_and_failing_client(tmp_path: Path) -> None:
+    """K = N = 3 so every node trains every round; partition 0 always fails."""
+    from flwr.simulation import run_simulation
+
+    from tests.sim_apps import failing_client_app, recording_server_app
+
+    cfg = to_container(
+        compose([
+            "strategy=fedmr", "strategy.first_stage_rounds=1", "num_rounds=3", "num_clients=3",
+            "clients_per_round=3", "training.local_epochs=1", f"output_dir={tmp_path / 'run'}",
+        ])
+    )
+    log: list = []
+    out: dict = {}
+    run_simulation(
+        server_app=recording_server_app(cfg, log, out),
+        client_app=failing_client_app,
+        num_supernodes=3,
+        backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"logging_level": "ERROR"}},
+    )
+    run = out["dir"]
+    digests = defaultdict(list)
+    for rnd, _, digest in log:
+        digests[rnd].append(digest)
+    assert sorted(digests) == [1, 2, 3] and all(len(v) == 3 for v in digests.values())
+    assert len(set(digests[1])) == 1  # initial model
+    assert len(set(digests[2])) == 1  # stage 1 reset every model to the aggregate
+    assert digests[2][0] != digests[1][0]
+    assert len(set(digests[3])) == 3  # recombined: pairwise different
+    rows = read_metrics(run)
+    assert [r.get("replies") for r in rows[1:]] == [2, 2, 2]  # the failing node never replies with a model
+    with np.load(run / "final_models.npz") as pool:
+        assert {name.split("/")[0] for name in pool.files} == {"0", "1", "2"}  # still K models
