@@ -123,10 +123,10 @@ def run_experiment(grid: Grid, cfg_in: Mapping[str, Any], simulation: bool = Tru
         if hasattr(strategy, "last_replies") and server_round > 0:
             row["replies"] = strategy.last_replies
         recorder.log_metrics(row)
-        left = elapsed / server_round * (num_rounds - server_round) if server_round else float("nan")
+        left = f"~{elapsed / server_round * (num_rounds - server_round):.0f}s left" if server_round else "starting"
         log(
             INFO,
-            "[fedmm] round %d/%d  accuracy %.4f  loss %.4f  elapsed %.1fs  ~%.0fs left",
+            "[fedmm] round %d/%d  accuracy %.4f  loss %.4f  elapsed %.1fs  %s",
             server_round,
             num_rounds,
             metrics["accuracy"],

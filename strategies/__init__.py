@@ -11,12 +11,13 @@ from typing import Any
 
 from flwr.serverapp.strategy import Strategy
 
-from strategies import fedavg, fedmr
+from strategies import fedavg, fedcross, fedmr
 
 #: strategy.name -> module with ``from_config`` (and optionally ``validate``).
 STRATEGIES: dict[str, Any] = {
     "fedavg": fedavg,
     "fedmr": fedmr,
+    "fedcross": fedcross,
 }
 
 

@@ -100,7 +100,8 @@ def test_fedmm_multirun_writes_one_directory_per_job(tmp_path: Path) -> None:
         assert [r["round"] for r in read_metrics(run)] == [0, 1]
 
 
-def test_fedmr_simulation_dispatch_stages_and_failing_client(tmp_path: Path) -> None:
+@pytest.mark.parametrize("strategy", ["fedmr", "fedcross"])
+def test_multimodel_simulation_dispatch_stages_and_failing_client(tmp_path: Path, strategy: str) -> None:
     """K = N = 3 so every node trains every round; partition 0 always fails."""
     from flwr.simulation import run_simulation
 
@@ -108,7 +109,7 @@ def test_fedmr_simulation_dispatch_stages_and_failing_client(tmp_path: Path) -> 
 
     cfg = to_container(
         compose([
-            "strategy=fedmr", "strategy.first_stage_rounds=1", "num_rounds=3", "num_clients=3",
+            f"strategy={strategy}", "strategy.first_stage_rounds=1", "num_rounds=3", "num_clients=3",
             "clients_per_round=3", "training.local_epochs=1", f"output_dir={tmp_path / 'run'}",
         ])
     )
@@ -128,7 +129,7 @@ def test_fedmr_simulation_dispatch_stages_and_failing_client(tmp_path: Path) -> 
     assert len(set(digests[1])) == 1  # initial model
     assert len(set(digests[2])) == 1  # stage 1 reset every model to the aggregate
     assert digests[2][0] != digests[1][0]
-    assert len(set(digests[3])) == 3  # recombined: pairwise different
+    assert len(set(digests[3])) == 3  # recombined / cross-aggregated: pairwise different
     rows = read_metrics(run)
     assert [r.get("replies") for r in rows[1:]] == [2, 2, 2]  # the failing node never replies with a model
     with np.load(run / "final_models.npz") as pool:

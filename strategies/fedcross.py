@@ -1,0 +1,160 @@
+"""FedCross: multi-model cross-aggregation (Hu et al.), with the paper's acceleration.
+
+Round r, after the K middleware models come back:
+
+1. ``r ≤ first_stage_rounds``: plain aggregation, every model reset to the mean (as FedMR);
+2. ``r ≤ first_stage_rounds + propeller_rounds``: propeller models — each model is fused
+   with its ``num_propellers`` in-order partners: w_j ← α_p·w_j + (1−α_p)·mean(partners);
+3. afterwards: collaborative-model selection and w_j ← α(r)·w_j + (1−α(r))·w_c(j), where α(r)
+   follows the dynamic-α schedule for ``dynamic_alpha_rounds`` rounds, then stays at ``alpha``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from logging import INFO
+from typing import Any
+
+from flwr.supercore import log
+
+from fedmm.errors import ConfigError
+from strategies.base import MultiModelStrategy
+from strategies.common import ModelDict, mean_models
+from strategies.cross_aggregation import (
+    SELECTIONS,
+    SIMILARITIES,
+    collaborative_models,
+    cross_aggregate,
+    dynamic_alpha,
+    model_similarity,
+    propellers,
+)
+
+
+class FedCross(MultiModelStrategy):
+    """FedCross on the multi-model base: only :meth:`update_models` differs.
+
+    Parameters
+    ----------
+    num_models, seed, fraction_evaluate
+        See :class:`MultiModelStrategy`.
+    alpha : float
+        Fusion weight of the model itself (paper: 0.99).
+    selection : str
+        ``lowest-similarity`` (default), ``highest-similarity`` or ``in-order``.
+    similarity : str
+        ``model`` (one cosine over all weights, the paper) or ``chunked`` (sum of cosines
+        over chunks of two tensors, the authors' code).
+    first_stage_rounds : int
+        Rounds of plain aggregation first.
+    propeller_rounds, num_propellers, propeller_alpha
+        Propeller-model acceleration: for ``propeller_rounds`` rounds after the first stage,
+        fuse each model with ``num_propellers`` in-order partners at weight ``propeller_alpha``.
+    dynamic_alpha_rounds : int
+        Dynamic-α acceleration: α rises linearly from 0.5 to ``alpha`` over this many rounds
+        (after the propeller rounds); 0 disables it.
+    """
+
+    def __init__(
+        self,
+        num_models: int,
+        seed: int,
+        fraction_evaluate: float = 0.0,
+        alpha: float = 0.99,
+        selection: str = "lowest-similarity",
+        similarity: str = "model",
+        first_stage_rounds: int = 0,
+        propeller_rounds: int = 0,
+        num_propellers: int = 2,
+        propeller_alpha: float = 0.5,
+        dynamic_alpha_rounds: int = 0,
+    ) -> None:
+        super().__init__(num_models, seed, fraction_evaluate)
+        self.alpha = alpha
+        self.selection = selection
+        self.similarity = similarity
+        self.first_stage_rounds = first_stage_rounds
+        self.propeller_rounds = propeller_rounds
+        self.num_propellers = num_propellers
+        self.propeller_alpha = propeller_alpha
+        self.dynamic_alpha_rounds = dynamic_alpha_rounds
+        self.last_alpha: float | None = None
+
+    def alpha_at(self, server_round: int) -> float:
+        """α of a cross-aggregation round (dynamic α, then the threshold)."""
+        start = self.first_stage_rounds + self.propeller_rounds
+        return dynamic_alpha(server_round, self.alpha, self.dynamic_alpha_rounds, start_round=start)
+
+    def update_models(self, server_round: int, models: list[ModelDict], trained: list[int]) -> list[ModelDict]:
+        """Stage 1 reset, propeller fusion, or cross-aggregation (see the module docstring)."""
+        if server_round <= self.first_stage_rounds:
+            return [mean_models(models)] * self.num_models
+        if server_round <= self.first_stage_rounds + self.propeller_rounds:
+            self.last_alpha = self.propeller_alpha
+            return cross_aggregate(models, propellers(self.num_models, self.num_propellers), self.propeller_alpha)
+        sim = None if self.selection == "in-order" else model_similarity(models, self.similarity)
+        partners = collaborative_models(sim, self.selection, server_round, self.num_models)
+        self.last_alpha = self.alpha_at(server_round)
+        return cross_aggregate(models, partners, self.last_alpha)
+
+    def summary(self) -> None:
+        """Log the strategy's settings."""
+        super().summary()
+        log(
+            INFO,
+            "\t    alpha=%.3f selection=%s similarity=%s first_stage=%d propellers=%d×%d dynamic_alpha_rounds=%d",
+            self.alpha,
+            self.selection,
+            self.similarity,
+            self.first_stage_rounds,
+            self.propeller_rounds,
+            self.num_propellers,
+            self.dynamic_alpha_rounds,
+        )
+
+
+def _nonneg_int(s: Mapping[str, Any], key: str) -> int:
+    value = s.get(key, 0)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ConfigError(f"strategy.{key}", value, "an integer >= 0")
+    return value
+
+
+def _unit(s: Mapping[str, Any], key: str, default: float) -> float:
+    value = s.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ConfigError(f"strategy.{key}", value, "a number in [0, 1]")
+    return float(value)
+
+
+def validate(cfg: Mapping[str, Any]) -> None:
+    """Check the ``strategy`` group of a FedCross run."""
+    s = cfg["strategy"]
+    _unit(s, "alpha", 0.99)
+    _unit(s, "propeller_alpha", 0.5)
+    if s.get("selection") not in SELECTIONS:
+        raise ConfigError("strategy.selection", s.get("selection"), ", ".join(SELECTIONS))
+    if s.get("similarity") not in SIMILARITIES:
+        raise ConfigError("strategy.similarity", s.get("similarity"), ", ".join(SIMILARITIES))
+    for key in ("first_stage_rounds", "propeller_rounds", "dynamic_alpha_rounds"):
+        _nonneg_int(s, key)
+    if _nonneg_int(s, "num_propellers") < 1:
+        raise ConfigError("strategy.num_propellers", s.get("num_propellers"), "an integer >= 1")
+
+
+def from_config(cfg: Mapping[str, Any]) -> FedCross:
+    """Build FedCross from the resolved run config."""
+    s = cfg["strategy"]
+    return FedCross(
+        num_models=cfg["clients_per_round"],
+        seed=cfg["seed"],
+        fraction_evaluate=s.get("fraction_evaluate", 0.0),
+        alpha=s.get("alpha", 0.99),
+        selection=s.get("selection", "lowest-similarity"),
+        similarity=s.get("similarity", "model"),
+        first_stage_rounds=s.get("first_stage_rounds", 0),
+        propeller_rounds=s.get("propeller_rounds", 0),
+        num_propellers=s.get("num_propellers", 2),
+        propeller_alpha=s.get("propeller_alpha", 0.5),
+        dynamic_alpha_rounds=s.get("dynamic_alpha_rounds", 0),
+    )

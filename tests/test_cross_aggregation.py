@@ -1,0 +1,155 @@
+"""FedCross arithmetic and strategy: update formula, selection, in-order coverage, dynamic α, failures."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from flwr.app import ConfigRecord, MetricRecord, RecordDict
+
+from strategies.common import arrays_to_numpy, numpy_to_arrays
+from strategies.cross_aggregation import (
+    collaborative_models,
+    cross_aggregate,
+    dynamic_alpha,
+    in_order_offset,
+    model_similarity,
+    propellers,
+)
+from strategies.fedcross import FedCross
+from tests.fakes import FakeGrid
+
+
+def test_update_formula_on_hand_made_tensors() -> None:
+    models = [
+        {"w": np.array([1.0, 0.0], np.float32), "n": np.array(5, np.int64)},
+        {"w": np.array([0.0, 2.0], np.float32), "n": np.array(7, np.int64)},
+        {"w": np.array([4.0, 4.0], np.float32), "n": np.array(9, np.int64)},
+    ]
+    out = cross_aggregate(models, [1, 2, 0], alpha=0.75)
+    np.testing.assert_allclose(out[0]["w"], [0.75, 0.5])  # .75*[1,0] + .25*[0,2]
+    np.testing.assert_allclose(out[1]["w"], [1.0, 2.5])   # .75*[0,2] + .25*[4,4]
+    np.testing.assert_allclose(out[2]["w"], [3.25, 3.0])  # .75*[4,4] + .25*[1,0]
+    assert [int(m["n"]) for m in out] == [5, 7, 9] and out[0]["w"].dtype == np.float32
+    # computed from the old set: the inputs are untouched
+    np.testing.assert_array_equal(models[0]["w"], [1.0, 0.0])
+    # several partners (propellers): the partners' mean
+    out = cross_aggregate(models, [[1, 2], [2, 0], [0, 1]], alpha=0.5)
+    np.testing.assert_allclose(out[0]["w"], [0.5 * 1 + 0.5 * 2.0, 0.5 * 0 + 0.5 * 3.0])
+
+
+def test_alpha_one_leaves_models_unchanged() -> None:
+    rng = np.random.default_rng(0)
+    models = [{"w": rng.standard_normal((3, 3)).astype(np.float32)} for _ in range(4)]
+    out = cross_aggregate(models, collaborative_models(model_similarity(models), "lowest-similarity", 1, 4), alpha=1.0)
+    for a, b in zip(models, out):
+        np.testing.assert_array_equal(a["w"], b["w"])
+
+
+SIM = np.array([
+    [1.0, 0.2, 0.9, 0.5],
+    [0.2, 1.0, 0.4, 0.7],
+    [0.9, 0.4, 1.0, 0.1],
+    [0.5, 0.7, 0.1, 1.0],
+])
+
+
+def test_selection_on_a_known_similarity_table() -> None:
+    assert collaborative_models(SIM, "lowest-similarity", 1, 4).tolist() == [1, 0, 3, 2]
+    assert collaborative_models(SIM, "highest-similarity", 1, 4).tolist() == [2, 3, 0, 1]
+    # offset = r mod (K-1) + 1
+    assert collaborative_models(None, "in-order", 1, 4).tolist() == [2, 3, 0, 1]
+    assert collaborative_models(None, "in-order", 3, 4).tolist() == [1, 2, 3, 0]
+
+
+def test_selection_never_picks_the_model_itself() -> None:
+    # the diagonal is the largest (highest mode) and an all-equal table (lowest mode) must not pick j
+    for mode in ("lowest-similarity", "highest-similarity"):
+        for table in (SIM, np.ones((4, 4)), np.eye(4) * 5 - 1):
+            assert all(c != j for j, c in enumerate(collaborative_models(table, mode, 1, 4)))
+    for r in range(1, 20):
+        assert all(c != j for j, c in enumerate(collaborative_models(None, "in-order", r, 5)))
+
+
+def test_in_order_visits_every_other_model_within_k_minus_one_rounds() -> None:
+    k = 6
+    seen = {j: set() for j in range(k)}
+    for r in range(1, k):
+        for j, c in enumerate(collaborative_models(None, "in-order", r, k)):
+            seen[j].add(int(c))
+    assert all(seen[j] == set(range(k)) - {j} for j in range(k))
+    assert sorted(in_order_offset(r, k) for r in range(1, k)) == list(range(1, k))
+
+
+def test_similarity_is_cosine_and_chunked_sums_chunks() -> None:
+    a = {"w": np.array([1.0, 0.0]), "b": np.array([1.0]), "n": np.array(3)}
+    b = {"w": np.array([0.0, 1.0]), "b": np.array([1.0]), "n": np.array(1)}
+    sim = model_similarity([a, b], "model")
+    assert sim[0, 1] == pytest.approx(1 / 2)  # <a,b> = 1, |a| = |b| = sqrt(2)
+    assert sim[0, 0] == pytest.approx(1.0)
+    chunked = model_similarity([a, b], "chunked", chunk_size=1)  # cos(w) + cos(b) = 0 + 1
+    assert chunked[0, 1] == pytest.approx(1.0)
+    chunked2 = model_similarity([a, b], "chunked")  # one chunk of the two float tensors = the whole model
+    assert chunked2[0, 1] == pytest.approx(0.5)
+
+
+def test_similarity_matches_flattened_cosine_on_random_models() -> None:
+    rng = np.random.default_rng(1)
+    models = [{"x": rng.standard_normal((4, 5)), "y": rng.standard_normal(7)} for _ in range(5)]
+    flat = np.stack([np.concatenate([m["x"].ravel(), m["y"]]) for m in models])
+    expected = flat @ flat.T / np.outer(np.linalg.norm(flat, axis=1), np.linalg.norm(flat, axis=1))
+    np.testing.assert_allclose(model_similarity(models), expected, rtol=1e-12)
+
+
+def test_dynamic_alpha_schedule() -> None:
+    assert dynamic_alpha(1, 0.99, rounds=10) == pytest.approx(0.5)
+    assert dynamic_alpha(6, 0.99, rounds=10) == pytest.approx(0.5 + 0.49 * 0.5)
+    assert dynamic_alpha(11, 0.99, rounds=10) == pytest.approx(0.99)
+    assert dynamic_alpha(500, 0.99, rounds=10) == pytest.approx(0.99)
+    values = [dynamic_alpha(r, 0.99, rounds=10) for r in range(1, 15)]
+    assert values == sorted(values)  # never decreases
+    assert dynamic_alpha(3, 0.99, rounds=0) == 0.99  # disabled
+    assert dynamic_alpha(5, 0.9, rounds=4, start_round=4) == pytest.approx(0.5)  # starts after the propellers
+
+
+def test_propellers_are_in_order_partners() -> None:
+    assert propellers(4, 2) == [[1, 2], [2, 3], [3, 0], [0, 1]]
+    assert propellers(3, 5) == [[1, 2], [2, 0], [0, 1]]  # at most K-1
+
+
+def node(msg, key):
+    model = arrays_to_numpy(msg.content["arrays"])
+    shift = int(key.split(":")[1]) + 1
+    if key.endswith("2"):
+        raise RuntimeError("node crashed")
+    return RecordDict({"arrays": numpy_to_arrays({k: v + shift for k, v in model.items()}), "metrics": MetricRecord({"num-examples": 1.0})})
+
+
+def test_fedcross_strategy_round_with_a_failing_client() -> None:
+    k = 4
+    strategy = FedCross(num_models=k, seed=0, alpha=0.9, selection="in-order")
+    grid = FakeGrid(node, num_nodes=k)
+    init = numpy_to_arrays({"w": np.zeros(3, np.float32)})
+    msgs = list(strategy.configure_train(1, init, ConfigRecord(), grid))
+    keys = [grid.keys[m.metadata.dst_node_id] for m in msgs]
+    global_arrays, metrics = strategy.aggregate_train(1, grid.send_and_receive(msgs))
+    assert metrics["replies"] == k - 1 and len(strategy.models) == k
+    trained = [np.zeros(3) if key.endswith("2") else np.full(3, int(key.split(":")[1]) + 1.0) for key in keys]
+    # global: unweighted mean before cross-aggregation
+    np.testing.assert_allclose(arrays_to_numpy(global_arrays)["w"], np.mean(trained, axis=0), rtol=1e-6)
+    partners = collaborative_models(None, "in-order", 1, k)
+    for j in range(k):
+        np.testing.assert_allclose(strategy.models[j]["w"], 0.9 * trained[j] + 0.1 * trained[partners[j]], rtol=1e-6)
+
+
+def test_fedcross_phases() -> None:
+    strategy = FedCross(num_models=3, seed=0, alpha=0.99, first_stage_rounds=1, propeller_rounds=1, dynamic_alpha_rounds=2)
+    models = [{"w": np.array([float(i)])} for i in range(3)]
+    out = strategy.update_models(1, models, [0, 1, 2])
+    assert all(m["w"][0] == 1.0 for m in out)  # stage 1: reset to the mean
+    out = strategy.update_models(2, models, [0, 1, 2])
+    assert strategy.last_alpha == 0.5  # propeller round
+    np.testing.assert_allclose(out[0]["w"], [0.5 * 0 + 0.5 * 1.5])
+    strategy.update_models(3, models, [0, 1, 2])
+    assert strategy.last_alpha == pytest.approx(0.5)  # dynamic alpha starts at 0.5
+    strategy.update_models(5, models, [0, 1, 2])
+    assert strategy.last_alpha == pytest.approx(0.99)
