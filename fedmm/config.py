@@ -35,7 +35,7 @@ def _find_conf_dir() -> Path:
 CONF_DIR = Path(os.environ.get("FEDMM_CONF_DIR") or _find_conf_dir())
 
 #: Config groups: a run-config key of the same name selects an option of the group.
-GROUPS = ("strategy", "dataset", "partition", "model", "training", "simulation")
+GROUPS = ("strategy", "dataset", "partition", "model", "training", "simulation", "objective")
 #: Top-level scalar keys a ``flwr run -c`` may set directly.
 SCALAR_KEYS = ("num_rounds", "seed", "eval_every", "num_clients", "clients_per_round", "output_dir")
 #: Top-level keys set only in conf/ or by hydra overrides.
@@ -192,3 +192,7 @@ def validate(cfg: DictConfig | Mapping[str, Any]) -> None:
     from strategies import validate_strategy_config
 
     validate_strategy_config(c)
+
+    from client_app.objectives import validate_objective_config
+
+    validate_objective_config(c)

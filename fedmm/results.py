@@ -25,7 +25,9 @@ METRICS_FILE = "metrics.jsonl"
 def run_dir_name(cfg: Mapping[str, Any]) -> str:
     """``<timestamp>_<strategy>_<dataset>_<partition>_s<seed>``."""
     stamp = dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
-    return f"{stamp}_{cfg['strategy']['name']}_{cfg['dataset']['name']}_{cfg['partition']['name']}_s{cfg['seed']}"
+    objective = cfg.get("objective", {}).get("name", "ce")
+    method = cfg["strategy"]["name"] + ("" if objective == "ce" else f"+{objective}")
+    return f"{stamp}_{method}_{cfg['dataset']['name']}_{cfg['partition']['name']}_s{cfg['seed']}"
 
 
 def create_run_dir(cfg: Mapping[str, Any]) -> Path:
