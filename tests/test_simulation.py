@@ -134,3 +134,18 @@ def test_multimodel_simulation_dispatch_stages_and_failing_client(tmp_path: Path
     assert [r.get("replies") for r in rows[1:]] == [2, 2, 2]  # the failing node never replies with a model
     with np.load(run / "final_models.npz") as pool:
         assert {name.split("/")[0] for name in pool.files} == {"0", "1", "2"}  # still K models
+
+
+@pytest.mark.parametrize("preset", ["fedprox", "fedrl"])
+def test_objective_presets_run_in_a_real_simulation(tmp_path: Path, preset: str) -> None:
+    from fedmm.cli import run_job
+
+    cfg = to_container(compose([
+        f"strategy={preset}", "objective.mu=0.5", "num_rounds=1", "num_clients=4", "clients_per_round=2",
+        "training.local_epochs=1", f"output_dir={tmp_path / 'run'}",
+    ]))
+    run = run_job(cfg)
+    rows = read_metrics(run)
+    assert [r["round"] for r in rows] == [0, 1]
+    assert rows[1]["accuracy"] > rows[0]["accuracy"]
+    assert f"name: {preset}" in (run / "config.yaml").read_text()  # the objective the clients used

@@ -1,0 +1,127 @@
+"""Client objectives: μ = 0 equals plain CE, FedProx gradient, FedRL review depth and review term."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from client_app.objectives import FedProx, FedRL, Objective, build_objective, resolve_mu
+from client_app.training import train
+from fedmm.config import compose, to_container
+from fedmm.data import ImageData
+from fedmm.models import build_model
+
+
+def tiny_data(n: int = 64, seed: int = 0) -> ImageData:
+    g = torch.Generator().manual_seed(seed)
+    return ImageData(x=torch.randint(0, 256, (n, 1, 28, 28), dtype=torch.uint8, generator=g),
+                     y=torch.randint(0, 10, (n,), generator=g), ids=None)
+
+
+def cfg_with(*overrides: str) -> dict:
+    return to_container(compose(["training.local_epochs=1", "training.batch_size=16", *overrides]))
+
+
+def trained_weights(cfg: dict) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = build_model("cnn", 1, 10, 28)
+    train(model, tiny_data(), build_objective(cfg), cfg["training"], cfg["dataset"], 1,
+          torch.Generator().manual_seed(1), torch.device("cpu"))
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("objective", ["fedprox", "fedrl"])
+def test_mu_zero_trains_exactly_like_cross_entropy(objective: str) -> None:
+    plain = trained_weights(cfg_with())
+    other = trained_weights(cfg_with(f"objective={objective}", "objective.mu=0"))
+    for key in plain:
+        assert torch.equal(plain[key], other[key]), key
+    # and a non-zero mu does change the result
+    changed = trained_weights(cfg_with(f"objective={objective}", "objective.mu=1.0"))
+    assert any(not torch.equal(plain[k], changed[k]) for k in plain)
+
+
+def test_fedprox_term_gradient_is_mu_times_distance() -> None:
+    mu = 0.3
+    cfg = cfg_with("objective=fedprox", f"objective.mu={mu}")
+    torch.manual_seed(0)
+    model = build_model("lenet", 1, 10, 28)
+    objective = FedProx(cfg)
+    objective.start_round(model, 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    x, y = torch.randn(4, 1, 28, 28), torch.tensor([0, 1, 2, 3])
+    loss, logits = objective.loss(model, x, y)
+    ce = torch.nn.functional.cross_entropy(logits, y)
+    grads = torch.autograd.grad(loss - ce, list(model.parameters()))
+    for g, p, p0 in zip(grads, model.parameters(), objective.global_params):
+        torch.testing.assert_close(g, mu * (p.detach() - p0), rtol=1e-5, atol=1e-7)
+
+
+def test_review_depth_cycles_one_to_m_per_batch_and_per_round() -> None:
+    model = build_model("cnn", 1, 10, 28)  # 4 layers
+    x, y = torch.randn(2, 1, 28, 28), torch.tensor([0, 1])
+    objective = FedRL(cfg_with("objective=fedrl"))
+    objective.start_round(model, server_round=7)
+    depths = []
+    for _ in range(10):
+        depths.append(objective.review_depth())
+        objective.loss(model, x, y)
+    assert depths == [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
+    objective.start_round(model, server_round=8)
+    assert objective.review_depth() == 1  # Algorithm 1: m restarts every round
+    per_round = FedRL(cfg_with("objective=fedrl", "objective.advance=round"))
+    seen = []
+    for rnd in range(1, 10):
+        per_round.start_round(model, rnd)
+        seen.append(per_round.review_depth())
+        per_round.loss(model, x, y)
+        assert per_round.review_depth() == seen[-1]  # fixed within the round
+    assert seen == [1, 2, 3, 4, 1, 2, 3, 4, 1]
+
+
+def test_review_term_is_zero_when_models_are_equal_and_reference_never_moves() -> None:
+    torch.manual_seed(0)
+    model = build_model("cnn", 1, 10, 28).eval()  # no dropout in cnn; eval to match the frozen copy
+    objective = FedRL(cfg_with("objective=fedrl", "objective.mu=10.0"))
+    objective.start_round(model, 1)
+    x, y = torch.randn(3, 1, 28, 28), torch.tensor([1, 2, 3])
+    for _ in range(4):  # every depth
+        loss, logits = objective.loss(model, x, y)
+        assert loss.item() == pytest.approx(torch.nn.functional.cross_entropy(logits, y).item(), abs=1e-6)
+    before = {k: v.clone() for k, v in objective.reference.state_dict().items()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    for _ in range(3):
+        optimizer.zero_grad()
+        loss, _ = objective.loss(model, x, y)
+        loss.backward()
+        optimizer.step()
+    for key, value in objective.reference.state_dict().items():
+        assert torch.equal(value, before[key])
+    assert all(p.grad is None and not p.requires_grad for p in objective.reference.parameters())
+    # the local model has moved, so the review term is now positive at some depth
+    terms = []
+    for _ in range(4):
+        loss, logits = objective.loss(model, x, y)
+        terms.append(loss.item() - torch.nn.functional.cross_entropy(logits, y).item())
+    assert max(terms) > 0
+
+
+def test_mu_resolution_follows_the_paper_table() -> None:
+    params = to_container(compose(["objective=fedrl"]))["objective"]
+    assert resolve_mu(params, "fashion_mnist") == 0.004
+    assert resolve_mu(params, "cifar100") == 0.0001
+    assert resolve_mu({**params, "mu": 0.2}, "cifar100") == 0.2
+    prox = to_container(compose(["objective=fedprox"]))["objective"]
+    assert resolve_mu(prox, "femnist") == 0.1 and resolve_mu(prox, "cifar10") == 0.01
+    assert isinstance(build_objective({"objective": {"name": "ce"}}), Objective)
+
+
+def test_lr_schedule_divides_at_decay_rounds() -> None:
+    from client_app.training import round_lr
+
+    training = {"lr": 0.01, "lr_decay_rounds": [40, 80], "lr_decay_factor": 0.1}
+    assert [round_lr(training, r) for r in (1, 39, 40, 79, 80, 120)] == pytest.approx([0.01, 0.01, 0.001, 0.001, 0.0001, 0.0001])
+    assert np.isclose(round_lr({**training, "lr_decay_rounds": []}, 100), 0.01)
