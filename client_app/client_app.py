@@ -20,6 +20,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from client_app.node_data import DATA_PATH_KEY, load_node_data
 from client_app.objectives import build_objective
 from client_app.training import evaluate as evaluate_model
 from client_app.training import resolve_device
@@ -48,10 +49,10 @@ def node_key(node_config: Mapping[str, Any], node_id: int) -> str:
 def local_data(cfg: Mapping[str, Any], context: Context) -> ImageData:
     """This node's training data: its own folder in deployment, its partition in simulation."""
     node_config = context.node_config
-    if "data-path" in node_config:
-        dataset_cfg = dict(cfg["dataset"], path=str(node_config["data-path"]), source="hf")
-        train, _ = load_dataset(dataset_cfg)
-        return train
+    if DATA_PATH_KEY in node_config:
+        # Raises NodeDataError naming the node and the problem: Flower sends it back as the
+        # error reply's reason, the server logs it and goes on with the other nodes.
+        return load_node_data(cfg["dataset"], node_config[DATA_PATH_KEY], context.node_id)
     return load_partition(
         cfg["dataset"],
         cfg["partition"],
