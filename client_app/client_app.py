@@ -20,12 +20,12 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from client_app.node_data import DATA_PATH_KEY, load_node_data
+from client_app.node_data import DATA_PATH_KEY, NodeDataError, load_node_data
 from client_app.objectives import build_objective
 from client_app.training import evaluate as evaluate_model
 from client_app.training import resolve_device
 from client_app.training import train as train_model
-from fedmm.data import ImageData, load_dataset, load_partition
+from fedmm.data import ImageData, load_partition
 from fedmm.models import LayeredModel, build_model
 from strategies.common import ROSTER_KEY
 
@@ -53,6 +53,12 @@ def local_data(cfg: Mapping[str, Any], context: Context) -> ImageData:
         # Raises NodeDataError naming the node and the problem: Flower sends it back as the
         # error reply's reason, the server logs it and goes on with the other nodes.
         return load_node_data(cfg["dataset"], node_config[DATA_PATH_KEY], context.node_id)
+    if "partition-id" not in node_config or "num-partitions" not in node_config:
+        raise NodeDataError(
+            f"node {context.node_id}: the node config has neither {DATA_PATH_KEY} (deployment) nor "
+            f"partition-id/num-partitions (simulation); start the SuperNode with "
+            f"--node-config \"{DATA_PATH_KEY}='/path/to/its/dataset'\""
+        )
     return load_partition(
         cfg["dataset"],
         cfg["partition"],

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from logging import INFO
+
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
+from flwr.supercore import log
+from flwr.superlink.grid import InMemoryGrid
 
 from fedmm.config import compose_from_run_config
 from fedmm.experiment import run_experiment
@@ -11,8 +15,22 @@ from fedmm.experiment import run_experiment
 app = ServerApp()
 
 
+def is_simulation(grid: Grid) -> bool:
+    """True on Flower's simulation engine, False against a deployment SuperLink.
+
+    The simulation engine (``flwr run`` on a simulation federation, ``run_simulation``) drives
+    the ServerApp through an in-memory grid whose SuperNodes are partitions of one dataset;
+    a deployment SuperLink drives it over its Runtime API, with SuperNodes that bring their own
+    data (``data-path`` node config) and may connect after the run has started.
+    """
+    return isinstance(grid, InMemoryGrid)
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """Entry point of ``flwr run``: ``-c`` keys become hydra overrides of ``conf/``."""
     cfg = compose_from_run_config(context.run_config)
-    run_experiment(grid, cfg)
+    simulation = is_simulation(grid)
+    if not simulation:
+        log(INFO, "fedmm: deployment runtime: each SuperNode trains on its own data-path; no partitions.")
+    run_experiment(grid, cfg, simulation=simulation)

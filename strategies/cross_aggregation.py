@@ -21,13 +21,38 @@ def _float_keys(model: Mapping[str, np.ndarray]) -> list[str]:
     return [key for key, value in model.items() if np.issubdtype(value.dtype, np.floating)]
 
 
-def _gram(models: Sequence[Mapping[str, np.ndarray]], keys: Sequence[str]) -> np.ndarray:
-    """G[i, j] = Σ_keys <w_i[key], w_j[key]>, built from one K × numel(key) stack at a time."""
+def _gram(models: Sequence[Mapping[str, np.ndarray]], keys: Sequence[str], block_bytes: int = 64 << 20) -> np.ndarray:
+    """G[i, j] = Σ_keys <w_i[key], w_j[key]>.
+
+    The K models' tensors are copied, in state_dict order, into one reusable K × B buffer of
+    at most ``block_bytes`` (64 MiB); each full buffer costs one BLAS product. So the only copy
+    ever held is that buffer, whatever the model size or K. Products run in the models' dtype;
+    each block's result is accumulated in float64.
+    """
     k = len(models)
     gram = np.zeros((k, k), dtype=np.float64)
+    if not keys:
+        return gram
+    dtype = np.result_type(*(models[0][key].dtype for key in keys))
+    cols = max(1, block_bytes // (dtype.itemsize * k))
+    total = sum(models[0][key].size for key in keys)
+    buf = np.empty((k, min(cols, total)), dtype=dtype)
+    fill = 0
     for key in keys:
-        stacked = np.stack([np.asarray(m[key], dtype=np.float64).reshape(-1) for m in models])
-        gram += stacked @ stacked.T
+        flat = [np.asarray(m[key]).reshape(-1) for m in models]  # views, no copy
+        start, n = 0, flat[0].size
+        while start < n:
+            take = min(buf.shape[1] - fill, n - start)
+            for i, f in enumerate(flat):
+                buf[i, fill : fill + take] = f[start : start + take]
+            fill += take
+            start += take
+            if fill == buf.shape[1]:
+                gram += (buf @ buf.T).astype(np.float64)
+                fill = 0
+    if fill:
+        part = buf[:, :fill]
+        gram += (part @ part.T).astype(np.float64)
     return gram
 
 
@@ -110,8 +135,11 @@ def cross_aggregate(
                 out[j][key] = models[j][key]
             continue
         for j in range(k):
-            fused = sum(models[int(c)][key] for c in partners[j]) / len(partners[j])
-            out[j][key] = (alpha * models[j][key] + (1.0 - alpha) * fused).astype(first.dtype, copy=False)
+            new = np.multiply(models[j][key], alpha, dtype=first.dtype)
+            weight = (1.0 - alpha) / len(partners[j])
+            for c in partners[j]:
+                new += weight * models[int(c)][key]
+            out[j][key] = new
     return out
 
 

@@ -153,3 +153,13 @@ def test_fedcross_phases() -> None:
     assert strategy.last_alpha == pytest.approx(0.5)  # dynamic alpha starts at 0.5
     strategy.update_models(5, models, [0, 1, 2])
     assert strategy.last_alpha == pytest.approx(0.99)
+
+
+def test_blocked_gram_equals_full_gram() -> None:
+    from strategies.cross_aggregation import _gram
+
+    rng = np.random.default_rng(2)
+    models = [{"a": rng.standard_normal((30, 7)).astype(np.float32), "b": rng.standard_normal(5).astype(np.float32)} for _ in range(4)]
+    flat = np.stack([np.concatenate([m["a"].ravel(), m["b"]]).astype(np.float64) for m in models])
+    np.testing.assert_allclose(_gram(models, ["a", "b"], block_bytes=8 * 4 * 10), flat @ flat.T, rtol=1e-5)
+    np.testing.assert_allclose(_gram(models, ["a", "b"]), flat @ flat.T, rtol=1e-5)

@@ -1,0 +1,414 @@
+"""The app against a real Flower deployment: SuperLink, SuperNodes, `flwr run`, on loopback.
+
+What runs (all on 127.0.0.1, offline, with their own FLWR_HOME and temporary folders):
+
+- ``deploy/generate_certs.sh`` makes a CA, the SuperLink's certificate and SuperNode keys;
+- ``flower-superlink`` with TLS and SuperNode authentication (``--enable-supernode-auth``);
+- the keys of three SuperNodes are registered with ``flwr supernode register``; two SuperNodes
+  hold half of the embedded mnist5k data each (``datasets.save_to_disk`` folders, given with
+  ``--node-config "data-path='...'"``), the third one points to a folder that does not exist;
+- ``flwr run <repo> <connection>``: 2 rounds of FedAvg on all three nodes (the third node's
+  error replies are logged and the run completes), then 2 rounds of FedMR on the two good
+  nodes;
+- a SuperNode whose key was never registered is refused and exits.
+
+Every process is started in its own session and carries a marker in its environment; the
+fixture stops them all (including the SuperExec, ServerApp and ClientApp processes that
+Flower starts) when the tests end, whether they pass or fail.
+
+The first tests check the node-data loader on its own (no Flower processes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from client_app.node_data import NodeDataError, load_node_data
+from fedmm.config import compose, to_container
+from fedmm.data import load_dataset
+from fedmm.results import read_metrics
+
+REPO = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+CONNECTION = "fedmm-test"
+#: Images per SuperNode dataset (80% of them are its training rows).
+SITE_SIZE = 500
+RUN_CONFIG = "num_rounds=2 clients_per_round={k} output_dir='{out}' overrides='training.local_epochs=2 training.lr=0.05'"
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def mnist_cfg() -> dict:
+    return to_container(compose([]))["dataset"]
+
+
+def write_site(path: Path, x: np.ndarray, y: np.ndarray, num_classes: int = 10) -> Path:
+    """A ``datasets.save_to_disk`` folder with an ``image`` and a ``label`` column, like HF MNIST."""
+    import datasets as hfds
+    from PIL import Image
+
+    features = hfds.Features({"image": hfds.Image(), "label": hfds.ClassLabel(num_classes=num_classes)})
+    images = [Image.fromarray(img) for img in x]
+    hfds.Dataset.from_dict({"image": images, "label": y.tolist()}, features=features).save_to_disk(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def mnist_sites(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """Two disjoint slices of the embedded mnist5k training split, one folder each."""
+    root = tmp_path_factory.mktemp("sites")
+    train, _ = load_dataset(mnist_cfg())
+    x, y = train.x.numpy()[:, 0], train.y.numpy()
+    return [
+        write_site(root / f"site-{name}", x[i * SITE_SIZE : (i + 1) * SITE_SIZE], y[i * SITE_SIZE : (i + 1) * SITE_SIZE])
+        for i, name in enumerate("ab")
+    ]
+
+
+# ------------------------------------------------------------------ node data, no Flower
+
+
+def test_node_data_loads_a_save_to_disk_folder(mnist_sites: list[Path]) -> None:
+    train = load_node_data(mnist_cfg(), mnist_sites[0], node_id=7)
+    assert tuple(train.x.shape[1:]) == (1, 28, 28) and len(train) == int(SITE_SIZE * 0.8)
+    assert train.y.max() < 10
+
+
+@pytest.mark.parametrize(
+    ("make", "problem"),
+    [
+        (lambda tmp: tmp / "missing", "folder does not exist"),
+        (lambda tmp: (tmp / "file.txt").write_text("x") and tmp / "file.txt", "not a folder"),
+        (lambda tmp: (tmp / "empty").mkdir() or tmp / "empty", "no dataset found there"),
+    ],
+    ids=["missing", "file", "empty"],
+)
+def test_node_data_errors_name_the_node_and_the_problem(tmp_path: Path, make, problem: str) -> None:
+    path = make(tmp_path)
+    with pytest.raises(NodeDataError) as err:
+        load_node_data(mnist_cfg(), path, node_id=123)
+    msg = str(err.value)
+    assert msg.startswith(f"node data-path='{path}' (node 123, host ") and problem in msg, msg
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ({"num_classes": 5}, "dataset.num_classes=5"),
+        ({"in_channels": 3, "mean": [0.5] * 3, "std": [0.5] * 3}, "dataset.in_channels=3"),
+        ({"image_size": 32}, "dataset.image_size=32"),
+    ],
+    ids=["classes", "channels", "size"],
+)
+def test_node_data_that_does_not_fit_the_model_is_refused(mnist_sites: list[Path], override: dict, key: str) -> None:
+    with pytest.raises(NodeDataError) as err:
+        load_node_data(dict(mnist_cfg(), **override), mnist_sites[0], node_id=5)
+    msg = str(err.value)
+    assert "(node 5, host" in msg and "does not match the run's model" in msg and key in msg, msg
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads every folder")
+def test_node_data_unreadable_folder(mnist_sites: list[Path], tmp_path: Path) -> None:
+    locked = shutil.copytree(mnist_sites[0], tmp_path / "locked")
+    locked.chmod(0)
+    try:
+        with pytest.raises(NodeDataError, match="folder is not readable"):
+            load_node_data(mnist_cfg(), locked, node_id=1)
+    finally:
+        locked.chmod(0o755)
+
+
+# ------------------------------------------------------------------- process management
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def marked_pids(marker: str) -> list[int]:
+    """PIDs of the live processes whose environment carries ``marker`` (ours, and their children)."""
+    needle = f"FEDMM_DEPLOY_TEST={marker}".encode()
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            if needle in (proc / "environ").read_bytes().split(b"\0"):
+                pids.append(int(proc.name))
+        except OSError:
+            continue
+    return pids
+
+
+def signal_pids(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+class Deployment:
+    """The processes of one test deployment, and the ``flwr`` CLI pointed at its SuperLink."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.marker = uuid.uuid4().hex
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.logs = root / "logs"
+        self.logs.mkdir()
+        self.port = free_port()
+        self.certs = root / "certs"
+        self.cli_home = root / "home" / "cli"
+        self.node_ids: dict[str, int] = {}
+        self.bad_path = root / "no-such-site"
+
+    def env(self, home: Path) -> dict[str, str]:
+        home.mkdir(parents=True, exist_ok=True)
+        return dict(
+            os.environ,
+            FEDMM_DEPLOY_TEST=self.marker,
+            FLWR_HOME=str(home),
+            FLWR_TELEMETRY_ENABLED="0",
+            FLWR_DISABLE_UPDATE_CHECK="1",
+            FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
+            HF_DATASETS_OFFLINE="1",
+            HF_HUB_OFFLINE="1",
+            # SuperLink and SuperNodes start `flower-superexec`, `flwr-serverapp` and
+            # `flwr-clientapp` by name: they must come from this venv.
+            PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        )
+
+    def start(self, name: str, args: list[str]) -> subprocess.Popen:
+        log = open(self.logs / f"{name}.log", "wb")  # noqa: SIM115 - closed by the child's exit
+        proc = subprocess.Popen(
+            [str(BIN / args[0]), *args[1:]],
+            env=self.env(self.root / "home" / name),
+            cwd=self.root,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        log.close()
+        self.procs[name] = proc
+        return proc
+
+    def log(self, name: str) -> str:
+        return (self.logs / f"{name}.log").read_text(errors="replace")
+
+    def stop(self, name: str, grace: float = 15.0) -> None:
+        """SIGTERM the process group of ``name`` (it deregisters cleanly), then SIGKILL."""
+        proc = self.procs[name]
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=10)
+
+    def stop_all(self) -> None:
+        """Stop everything this deployment started, children included, even after a failure."""
+        for name in reversed(list(self.procs)):
+            if self.procs[name].poll() is None:
+                try:
+                    self.stop(name, grace=10.0)
+                except Exception:  # noqa: BLE001 - keep stopping the others
+                    pass
+        # SuperExec (started in a new session by the SuperLink), ServerApp and ClientApp
+        # processes: everything that still carries our marker.
+        deadline = time.time() + 10
+        while (left := marked_pids(self.marker)) and time.time() < deadline:
+            signal_pids(left, signal.SIGTERM)
+            time.sleep(0.5)
+        signal_pids(marked_pids(self.marker), signal.SIGKILL)
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def flwr(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+        """Run the ``flwr`` CLI with this deployment's config (its own session, killed on timeout)."""
+        with subprocess.Popen(
+            [str(BIN / "flwr"), *args],
+            env=self.env(self.cli_home),
+            cwd=self.root,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        ) as proc:
+            try:
+                out, _ = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                out, _ = proc.communicate()
+                raise AssertionError(f"flwr {' '.join(args)} timed out after {timeout}s:\n{out[-4000:]}") from None
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
+
+    def nodes(self) -> dict[int, str]:
+        """Node id -> status (registered, online, offline, ...) as the SuperLink lists them."""
+        res = self.flwr("supernode", "ls", CONNECTION, "--format", "json")
+        assert res.returncode == 0, res.stdout
+        data = json.loads(res.stdout[res.stdout.index("{") :])
+        return {int(n["node-id"]): n["status"] for n in data["nodes"]}
+
+    def wait_for_nodes(self, want: dict[int, str], timeout: float = 90) -> None:
+        deadline = time.time() + timeout
+        while (got := self.nodes()) != want:
+            if time.time() > deadline:
+                logs = "\n".join(f"--- {n}\n{self.log(n)[-1500:]}" for n in self.procs)
+                raise AssertionError(f"nodes {got}, expected {want}\n{logs}")
+            time.sleep(1.0)
+
+    def register(self, key: str) -> int:
+        res = self.flwr("supernode", "register", str(self.certs / "supernode-keys" / f"{key}.pub"), CONNECTION, "--format", "json")
+        assert res.returncode == 0, res.stdout
+        return int(json.loads(res.stdout[res.stdout.index("{") :])["node-id"])
+
+    def start_supernode(self, name: str, key: str, data_path: Path) -> subprocess.Popen:
+        return self.start(
+            name,
+            [
+                "flower-supernode",
+                "--superlink", f"127.0.0.1:{self.port}",
+                "--root-certificates", str(self.certs / "ca.crt"),
+                "--auth-supernode-private-key", str(self.certs / "supernode-keys" / key),
+                "--node-config", f"data-path='{data_path}'",
+                "--port", str(free_port()),  # this SuperNode's Runtime API (for its ClientApps)
+            ],
+        )
+
+    def run_app(self, run_config: str, timeout: float = 240) -> tuple[str, int]:
+        """``flwr run <repo> <connection> --stream``; returns its output and the run id."""
+        res = self.flwr("run", str(REPO), CONNECTION, "--stream", "-c", run_config, timeout=timeout)
+        assert res.returncode == 0, res.stdout[-4000:]
+        match = re.search(r"run_id `(\d+)`", res.stdout)
+        assert match, res.stdout[-4000:]
+        return res.stdout, int(match.group(1))
+
+    def run_status(self, run_id: int) -> str:
+        res = self.flwr("ls", CONNECTION, "--run-id", str(run_id), "--format", "json")
+        assert res.returncode == 0, res.stdout
+        runs = json.loads(res.stdout[res.stdout.index("{") :])["runs"]
+        return runs[0]["status"]
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory, mnist_sites: list[Path]) -> Iterator[Deployment]:
+    """SuperLink (TLS + node auth), three registered SuperNodes: sites a and b, and one bad path."""
+    for tool in ("openssl", "ssh-keygen"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"{tool} is needed by deploy/generate_certs.sh")
+    dep = Deployment(tmp_path_factory.mktemp("deployment"))
+    try:
+        subprocess.run(
+            ["bash", str(REPO / "deploy" / "generate_certs.sh"), "--out", str(dep.certs), "--supernodes", "4", "--rsa-bits", "2048"],
+            check=True, capture_output=True, timeout=120,
+        )
+        superlink = dep.start(
+            "superlink",
+            [
+                "flower-superlink",
+                "--ssl-ca-certfile", str(dep.certs / "ca.crt"),
+                "--ssl-certfile", str(dep.certs / "server.pem"),
+                "--ssl-keyfile", str(dep.certs / "server.key"),
+                "--enable-supernode-auth",
+                "--host", "127.0.0.1",
+                "--port", str(dep.port),
+                "--database", str(dep.root / "state.db"),
+            ],
+        )
+        deadline = time.time() + 60
+        while "Uvicorn running on https://" not in dep.log("superlink"):
+            assert superlink.poll() is None and time.time() < deadline, dep.log("superlink")
+            time.sleep(0.3)
+        dep.cli_home.mkdir(parents=True, exist_ok=True)
+        (dep.cli_home / "config.toml").write_text(
+            f'[superlink]\ndefault = "{CONNECTION}"\n\n'
+            f'[superlink.{CONNECTION}]\naddress = "127.0.0.1:{dep.port}"\nroot-certificates = "{dep.certs / "ca.crt"}"\n'
+        )
+        dep.node_ids = {name: dep.register(key) for name, key in (("a", "supernode-1"), ("b", "supernode-2"), ("bad", "supernode-3"))}
+        dep.wait_for_nodes({i: "registered" for i in dep.node_ids.values()})
+        for name, key, path in (("a", "supernode-1", mnist_sites[0]), ("b", "supernode-2", mnist_sites[1]), ("bad", "supernode-3", dep.bad_path)):
+            dep.start_supernode(f"supernode-{name}", key, path)
+        dep.wait_for_nodes({i: "online" for i in dep.node_ids.values()})
+        yield dep
+    finally:
+        dep.stop_all()
+    assert not marked_pids(dep.marker), "processes left running"
+
+
+# -------------------------------------------------------------------------- deployment
+
+
+def test_unregistered_supernode_is_refused(deployment: Deployment) -> None:
+    before = deployment.nodes()
+    proc = deployment.start_supernode("supernode-unregistered", "supernode-4", deployment.root)
+    try:
+        code = proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("a SuperNode with an unregistered key kept running:\n" + deployment.log("supernode-unregistered"))
+    log = deployment.log("supernode-unregistered")
+    assert code != 0 and "Failed to initialize the connection to the SuperLink" in log, log
+    assert "No SuperNode found with the given public key" in deployment.log("superlink")
+    assert deployment.nodes() == before  # never listed, let alone online
+
+
+def test_fedavg_runs_and_a_node_with_a_bad_data_path_fails_alone(deployment: Deployment) -> None:
+    out = deployment.root / "fedavg"
+    stream, run_id = deployment.run_app(RUN_CONFIG.format(k=3, out=out))
+    # The bad node answers every train message with an error reply naming it and its problem;
+    # the server logs it and aggregates the other two.
+    bad = deployment.node_ids["bad"]
+    assert re.search(rf"rejected: node {bad}: error reply: .*NodeDataError.*data-path='{re.escape(str(deployment.bad_path))}' \(node {bad}, host [^)]*\): folder does not exist", stream), stream[-4000:]
+    assert stream.count("2/3 replies accepted") == 2, stream[-4000:]
+    assert deployment.run_status(run_id) == "finished:completed"
+
+    rows = read_metrics(out)
+    assert [r["round"] for r in rows] == [0, 1, 2]
+    assert rows[-1]["accuracy"] > 0.3, rows  # 10 classes: chance is 0.1
+    for name in ("config.yaml", "final_model.pt", "learning_curve.png", "summary.json"):
+        assert (out / name).stat().st_size > 0, name
+    # deployment: no partitions on the server, so no label histograms
+    assert not (out / "label_histograms.json").exists()
+
+
+def test_fedmr_runs_on_the_two_good_nodes(deployment: Deployment) -> None:
+    if deployment.procs["supernode-bad"].poll() is None:
+        deployment.stop("supernode-bad")  # deactivates itself on SIGTERM
+    ids = deployment.node_ids
+    deployment.wait_for_nodes({ids["a"]: "online", ids["b"]: "online", ids["bad"]: "offline"})
+    out = deployment.root / "fedmr"
+    stream, run_id = deployment.run_app(RUN_CONFIG.format(k=2, out=out) + " strategy='fedmr'")
+    assert deployment.run_status(run_id) == "finished:completed"
+    rows = read_metrics(out)
+    assert [r["round"] for r in rows] == [0, 1, 2]
+    assert [r["replies"] for r in rows[1:]] == [2, 2], stream[-4000:]
+    assert rows[-1]["accuracy"] > 0.3, rows
+    with np.load(out / "final_models.npz") as pool:
+        assert {name.split("/")[0] for name in pool.files} == {"0", "1"}  # K = 2 models kept
