@@ -46,8 +46,8 @@ REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 CONNECTION = "fedmm-test"
 #: Images per SuperNode dataset (80% of them are its training rows).
-SITE_SIZE = 500
-RUN_CONFIG = "num_rounds=2 clients_per_round={k} output_dir='{out}' overrides='training.local_epochs=2 training.lr=0.05'"
+SITE_SIZE = 1000
+RUN_CONFIG = "num_rounds=2 clients_per_round={k} output_dir='{out}' overrides='training.local_epochs=2'"
 
 
 # ----------------------------------------------------------------------------- helpers
