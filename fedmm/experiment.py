@@ -147,6 +147,11 @@ def run_experiment(grid: Grid, cfg_in: Mapping[str, Any], simulation: bool = Tru
             evaluate_config=ConfigRecord({"fedmm-config": config_mod.dumps(cfg)}),
             evaluate_fn=central_evaluate,
         )
+        if result.evaluate_metrics_clientapp:
+            recorder.write_json(
+                "federated_evaluation.json",
+                {str(rnd): dict(metrics) for rnd, metrics in result.evaluate_metrics_clientapp.items()},
+            )
         final = result.arrays if len(result.arrays) else ArrayRecord(model.state_dict())
         torch.save(final.to_torch_state_dict(), run_dir / "final_model.pt")
         if getattr(strategy, "models", None):

@@ -2,7 +2,8 @@
 
 One directory per run, never reused: the resolved ``config.yaml``, ``metrics.jsonl`` (one
 line per evaluated round), ``label_histograms.json``/``.png``, ``learning_curve.png``,
-``final_model.pt`` (the global model's state_dict) and, for multi-model strategies,
+``federated_evaluation.json`` (when clients evaluate), ``final_model.pt`` (the global
+model's state_dict) and, for multi-model strategies,
 ``final_models.npz`` (the K models the server kept).
 """
 

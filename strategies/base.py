@@ -25,6 +25,7 @@ from strategies.common import (
     NodeSampler,
     arrays_to_numpy,
     check_reply,
+    evaluate_messages,
     log_round_replies,
     mean_models,
     model_spec,
@@ -145,14 +146,7 @@ class MultiModelStrategy(Strategy):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Federated evaluation of the global model on ``fraction_evaluate`` of the nodes."""
-        if self.fraction_evaluate <= 0.0:
-            return []
-        num_nodes = len(list(grid.get_node_ids()))
-        size = max(1, min(num_nodes, int(num_nodes * self.fraction_evaluate)))
-        node_ids = self.sampler.sample(grid, -server_round, size=size)
-        config["server-round"] = server_round
-        content = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
-        return [Message(content=content, message_type=MessageType.EVALUATE, dst_node_id=n) for n in node_ids]
+        return evaluate_messages(self.sampler, grid, server_round, self.fraction_evaluate, arrays, config)
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         """Example-weighted mean of the clients' evaluation metrics."""

@@ -164,6 +164,21 @@ class NodeSampler:
         return [nodes[i] for i in rng.choice(len(nodes), size=size, replace=False)]
 
 
+def evaluate_messages(
+    sampler: NodeSampler, grid: Grid, server_round: int, fraction: float, arrays: ArrayRecord, config: ConfigRecord
+) -> list[Message]:
+    """EVALUATE messages carrying the global model to a seeded ``fraction`` of the nodes."""
+    if fraction <= 0.0:
+        return []
+    num_nodes = len(list(grid.get_node_ids()))
+    size = max(1, min(num_nodes, int(num_nodes * fraction)))
+    config["server-round"] = server_round
+    content = RecordDict({"arrays": arrays, "config": config})
+    # negative "round" keeps evaluation samples independent of the training samples
+    node_ids = sampler.sample(grid, -server_round, size=size)
+    return [Message(content=content, message_type=MessageType.EVALUATE, dst_node_id=n) for n in node_ids]
+
+
 def log_round_replies(server_round: int, expected: int, accepted: int, rejected: Iterable[str]) -> None:
     """One line per round saying how many replies came back, then one per rejected reply."""
     rejected = list(rejected)

@@ -20,6 +20,7 @@ from strategies.common import (
     NodeSampler,
     arrays_to_numpy,
     check_reply,
+    evaluate_messages,
     log_round_replies,
     model_spec,
     numpy_to_arrays,
@@ -89,14 +90,7 @@ class FedAvg(FlowerFedAvg):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Federated evaluation on a seeded sample of ``fraction_evaluate`` of the nodes."""
-        if self.fraction_evaluate == 0.0:
-            return []
-        num_nodes = len(list(grid.get_node_ids()))
-        size = max(1, min(num_nodes, int(num_nodes * self.fraction_evaluate)))
-        node_ids = self.sampler.sample(grid, -server_round, size=size)
-        config["server-round"] = server_round
-        record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
-        return self._construct_messages(record, node_ids, MessageType.EVALUATE)
+        return evaluate_messages(self.sampler, grid, server_round, self.fraction_evaluate, arrays, config)
 
 
 def from_config(cfg: Mapping[str, Any]) -> FedAvg:

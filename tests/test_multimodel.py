@@ -131,3 +131,22 @@ def test_fedmr_same_seed_same_models() -> None:
 
     assert run(1) == run(1)
     assert run(1) != run(2)
+
+
+def test_federated_evaluation_goes_to_a_seeded_fraction_and_is_example_weighted() -> None:
+    from flwr.app import MessageType
+
+    def evaluator(msg, key):
+        assert msg.metadata.message_type == MessageType.EVALUATE
+        p = partition(key)
+        return RecordDict({"metrics": MetricRecord({"accuracy": p / 10, "num-examples": float(p + 1)})})
+
+    strategy = FedMR(num_models=2, seed=0, fraction_evaluate=0.5)
+    grid = FakeGrid(evaluator, num_nodes=4)
+    msgs = strategy.configure_evaluate(1, initial(), ConfigRecord(), grid)
+    assert len(msgs) == 2 and all(m.metadata.message_type == MessageType.EVALUATE for m in msgs)
+    keys = [partition(grid.keys[m.metadata.dst_node_id]) for m in msgs]
+    metrics = strategy.aggregate_evaluate(1, grid.send_and_receive(msgs))
+    expected = sum((p / 10) * (p + 1) for p in keys) / sum(p + 1 for p in keys)
+    assert metrics["accuracy"] == pytest.approx(expected)
+    assert FedMR(num_models=2, seed=0).configure_evaluate(1, initial(), ConfigRecord(), grid) == []

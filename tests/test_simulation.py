@@ -5,6 +5,7 @@ These are the slow tests of the suite (tens of seconds each): tiny federations, 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -142,6 +143,7 @@ def test_objective_presets_run_in_a_real_simulation(tmp_path: Path, preset: str)
 
     cfg = to_container(compose([
         f"strategy={preset}", "objective.mu=0.5", "num_rounds=1", "num_clients=4", "clients_per_round=2",
+        "strategy.fraction_evaluate=0.5",
         "training.local_epochs=1", f"output_dir={tmp_path / 'run'}",
     ]))
     run = run_job(cfg)
@@ -149,3 +151,6 @@ def test_objective_presets_run_in_a_real_simulation(tmp_path: Path, preset: str)
     assert [r["round"] for r in rows] == [0, 1]
     assert rows[1]["accuracy"] > rows[0]["accuracy"]
     assert f"name: {preset}" in (run / "config.yaml").read_text()  # the objective the clients used
+    # federated evaluation on half of the 4 clients: example-weighted metrics from the ClientApps
+    federated = json.loads((run / "federated_evaluation.json").read_text())
+    assert 0.0 <= federated["1"]["accuracy"] <= 1.0 and federated["1"]["num-examples"] > 0
