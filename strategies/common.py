@@ -156,11 +156,14 @@ class NodeSampler:
                 keys[reply.metadata.src_node_id] = str(record[ROSTER_KEY])
         return keys
 
-    def sample(self, grid: Grid, server_round: int, size: int | None = None) -> list[int]:
-        """``size`` (default: ``num_per_round``) distinct nodes, in random order."""
+    def sample(self, grid: Grid, server_round: int, size: int | None = None, stream: int = 0) -> list[int]:
+        """``size`` (default: ``num_per_round``) distinct nodes, in random order.
+
+        ``stream`` separates independent samples of the same round (0: training, 1: evaluation).
+        """
         size = self.num_per_round if size is None else size
         nodes = self.ordered_nodes(grid, size)
-        rng = np.random.default_rng([self.seed, server_round])
+        rng = np.random.default_rng([self.seed, server_round] + ([stream] if stream else []))
         return [nodes[i] for i in rng.choice(len(nodes), size=size, replace=False)]
 
 
@@ -174,8 +177,7 @@ def evaluate_messages(
     size = max(1, min(num_nodes, int(num_nodes * fraction)))
     config["server-round"] = server_round
     content = RecordDict({"arrays": arrays, "config": config})
-    # negative "round" keeps evaluation samples independent of the training samples
-    node_ids = sampler.sample(grid, -server_round, size=size)
+    node_ids = sampler.sample(grid, server_round, size=size, stream=1)
     return [Message(content=content, message_type=MessageType.EVALUATE, dst_node_id=n) for n in node_ids]
 
 
