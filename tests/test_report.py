@@ -1,0 +1,48 @@
+"""The sweep report: method names, rounds-to-target and the summary table from run directories."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+from fedmm.config import compose, to_container
+from fedmm.report import load_runs, method_label, rounds_to_reach, summarise
+
+
+def write_run(root: Path, name: str, overrides: list[str], accs: list[float]) -> None:
+    cfg = to_container(compose([f"num_rounds={len(accs) - 1}", *overrides]))
+    run = root / name
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    with open(run / "metrics.jsonl", "w") as f:
+        for rnd, acc in enumerate(accs):
+            f.write(json.dumps({"round": rnd, "accuracy": acc, "loss": 1.0, "seconds": 2.0 * rnd,
+                                "bytes_sent": 1048576 * rnd, "bytes_received": 1048576 * rnd}) + "\n")
+
+
+def test_method_labels() -> None:
+    label = lambda *o: method_label(to_container(compose(list(o))))  # noqa: E731
+    assert label() == "FedAvg"
+    assert label("strategy=fedmr_two_stage") == "FedMR (first stage 5)"
+    assert label("strategy=indep") == "Indep"
+    assert label("strategy=fedcross_accel") == "FedCross (PM 5 + DA 5)"
+    assert label("strategy=fedrl") == "FedRL"
+    assert label("strategy=fedmr", "objective=fedprox") == "FedProx (FedMR)"
+
+
+def test_rounds_to_reach_and_summary(tmp_path: Path) -> None:
+    rows = [{"round": r, "accuracy": a} for r, a in enumerate([0.1, 0.5, 0.7, 0.8])]
+    assert rounds_to_reach(rows, 0.7) == 2 and rounds_to_reach(rows, 0.9) is None
+    write_run(tmp_path, "a", ["seed=0"], [0.1, 0.4, 0.6, 0.7])
+    write_run(tmp_path, "b", ["seed=0", "strategy=fedmr"], [0.1, 0.7, 0.8, 0.9])
+    write_run(tmp_path, "c", ["seed=1", "strategy=fedmr"], [0.1, 0.2, 0.3, 0.4])
+    (tmp_path / "c" / "metrics.jsonl").write_text((tmp_path / "c" / "metrics.jsonl").read_text().splitlines()[0] + "\n")
+    runs = load_runs(tmp_path)  # "c" stopped after round 0: not counted
+    assert len(runs) == 2
+    table, data = summarise(runs, "FedAvg")
+    assert data["Dir(0.5) / FedAvg"]["final"] == [70.0]
+    assert data["Dir(0.5) / FedMR"]["rounds_to_reference"] == [1]  # reaches FedAvg's 0.7 in round 1
+    assert "3.00×" in table  # 3 rounds of FedAvg vs 1 of FedMR
+    assert data["Dir(0.5) / FedMR"]["mb_per_round"] == 1.0
