@@ -74,7 +74,9 @@ class MultiModelStrategy(Strategy):
         """Turn the K models after local training into the K models of the next round.
 
         ``models[i]`` is the model node i trained (or, for a failed node, the model it was
-        given); ``trained`` lists the indices whose training came back. Override this.
+        given); ``trained`` lists the indices whose training came back. The dicts belong to the
+        method: it may reuse their arrays or empty them to save memory (the global model has
+        already been taken). Override this.
         """
         return models
 
@@ -119,7 +121,7 @@ class MultiModelStrategy(Strategy):
             if index is None:
                 rejected.append(f"node {reply.metadata.src_node_id}: reply to an unknown message")
                 continue
-            model, reason = check_reply(reply, self.spec)
+            model, reason = check_reply(reply, self.spec, consume=True)
             if model is None:
                 rejected.append(f"node {reply.metadata.src_node_id} (model {index}): {reason}")
                 continue

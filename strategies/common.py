@@ -39,8 +39,14 @@ def model_spec(model: Mapping[str, np.ndarray]) -> dict[str, tuple[tuple[int, ..
     return {key: (tuple(value.shape), value.dtype) for key, value in model.items()}
 
 
-def check_reply(reply: Message, spec: Mapping[str, tuple[tuple[int, ...], np.dtype]]) -> tuple[ModelDict | None, str]:
+def check_reply(
+    reply: Message, spec: Mapping[str, tuple[tuple[int, ...], np.dtype]], consume: bool = False
+) -> tuple[ModelDict | None, str]:
     """Decode and validate the model in a train reply.
+
+    With ``consume=True`` the arrays are popped from the reply while they are decoded, so the
+    serialized bytes are freed as the numpy arrays are built (a round then never holds two
+    copies of the K uploaded models).
 
     Returns
     -------
@@ -54,7 +60,11 @@ def check_reply(reply: Message, spec: Mapping[str, tuple[tuple[int, ...], np.dty
     if len(records) != 1:
         return None, f"expected one ArrayRecord, got {len(records)}"
     try:
-        model = arrays_to_numpy(records[0])
+        record = records[0]
+        if consume:
+            model = {key: record.pop(key).numpy() for key in list(record.keys())}
+        else:
+            model = arrays_to_numpy(record)
     except Exception as err:  # malformed bytes from a client must not stop the server
         return None, f"arrays could not be decoded: {err}"
     if list(model) != list(spec):

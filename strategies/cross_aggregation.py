@@ -112,15 +112,17 @@ def propellers(k: int, count: int) -> list[list[int]]:
 
 
 def cross_aggregate(
-    models: Sequence[Mapping[str, np.ndarray]],
+    models: Sequence[dict[str, np.ndarray]],
     collaborators: Sequence[Sequence[int]] | np.ndarray,
     alpha: float,
+    consume: bool = False,
 ) -> list[dict[str, np.ndarray]]:
     """``w_j ← α·w_j + (1−α)·mean(w_c for c in collaborators[j])`` for all j, from the old set.
 
     ``collaborators[j]`` is one index (cross-aggregation) or several (propeller models).
-    Integer buffers are left as they are. Computed key by key: besides the result, only one
-    state_dict entry of the K models is held at a time.
+    Integer buffers are left as they are. Computed key by key; with ``consume=True`` each
+    input entry is dropped from the input dicts as soon as its key is done, so old and new
+    models together never take more than K models plus one state_dict entry of K models.
     """
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha={alpha!r}; allowed: a number in [0, 1]")
@@ -129,17 +131,20 @@ def cross_aggregate(
     if len(partners) != k:
         raise ValueError(f"{len(partners)} collaborator lists for {k} models")
     out: list[dict[str, np.ndarray]] = [{} for _ in range(k)]
-    for key, first in models[0].items():
+    for key, first in list(models[0].items()):
         if not np.issubdtype(first.dtype, np.floating) or alpha == 1.0:
             for j in range(k):
                 out[j][key] = models[j][key]
-            continue
-        for j in range(k):
-            new = np.multiply(models[j][key], alpha, dtype=first.dtype)
-            weight = (1.0 - alpha) / len(partners[j])
-            for c in partners[j]:
-                new += weight * models[int(c)][key]
-            out[j][key] = new
+        else:
+            for j in range(k):
+                new = np.multiply(models[j][key], alpha, dtype=first.dtype)
+                weight = (1.0 - alpha) / len(partners[j])
+                for c in partners[j]:
+                    new += weight * models[int(c)][key]
+                out[j][key] = new
+        if consume:
+            for model in models:
+                model.pop(key, None)
     return out
 
 

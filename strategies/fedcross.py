@@ -91,11 +91,12 @@ class FedCross(MultiModelStrategy):
             return [mean_models(models)] * self.num_models
         if server_round <= self.first_stage_rounds + self.propeller_rounds:
             self.last_alpha = self.propeller_alpha
-            return cross_aggregate(models, propellers(self.num_models, self.num_propellers), self.propeller_alpha)
+            return cross_aggregate(models, propellers(self.num_models, self.num_propellers), self.propeller_alpha, consume=True)
         sim = None if self.selection == "in-order" else model_similarity(models, self.similarity)
         partners = collaborative_models(sim, self.selection, server_round, self.num_models)
         self.last_alpha = self.alpha_at(server_round)
-        return cross_aggregate(models, partners, self.last_alpha)
+        # the trained models are not needed afterwards: cross_aggregate releases them key by key
+        return cross_aggregate(models, partners, self.last_alpha, consume=True)
 
     def summary(self) -> None:
         """Log the strategy's settings."""

@@ -163,3 +163,20 @@ def test_blocked_gram_equals_full_gram() -> None:
     flat = np.stack([np.concatenate([m["a"].ravel(), m["b"]]).astype(np.float64) for m in models])
     np.testing.assert_allclose(_gram(models, ["a", "b"], block_bytes=8 * 4 * 10), flat @ flat.T, rtol=1e-5)
     np.testing.assert_allclose(_gram(models, ["a", "b"]), flat @ flat.T, rtol=1e-5)
+
+
+def test_consume_releases_inputs_and_gives_the_same_result() -> None:
+    rng = np.random.default_rng(3)
+    models = [{"a": rng.standard_normal(4).astype(np.float32), "n": np.array(i)} for i in range(3)]
+    expected = cross_aggregate(models, [1, 2, 0], alpha=0.8)
+    shared = models[0]
+    aliased = [shared, models[1], shared]  # the same dict twice, as after a stage-1 reset
+    expected_aliased = cross_aggregate(aliased, [1, 2, 0], alpha=0.8)
+    out = cross_aggregate([dict(m) for m in aliased], [1, 2, 0], alpha=0.8, consume=True)
+    for a, b in zip(out, expected_aliased):
+        np.testing.assert_array_equal(a["a"], b["a"])
+    consumed = [dict(m) for m in models]
+    out = cross_aggregate(consumed, [1, 2, 0], alpha=0.8, consume=True)
+    assert all(m == {} for m in consumed)
+    for a, b in zip(out, expected):
+        np.testing.assert_array_equal(a["a"], b["a"])
