@@ -82,10 +82,29 @@ def model_from_message(cfg: Mapping[str, Any], msg: Message) -> LayeredModel:
     return model
 
 
+def reserved_cpus(cfg: Mapping[str, Any]) -> int:
+    """CPU cores the simulation reserved for this ClientApp.
+
+    Ray knows what it assigned to the actor (``flwr run``'s ``client-resources-num-cpus`` or
+    fedmm's ``simulation.client_cpus``); outside Ray the config value is used.
+    """
+    try:
+        import ray
+
+        if ray.is_initialized():
+            cpus = ray.get_runtime_context().get_assigned_resources().get("CPU")
+            if cpus:
+                return max(1, int(cpus))
+    except Exception:  # not running in a Ray worker
+        pass
+    return max(1, int(cfg["simulation"]["client_cpus"]))
+
+
 def _set_threads(cfg: Mapping[str, Any], context: Context) -> None:
     # In simulation several ClientApps share the machine: use only the reserved cores.
+    # A deployed SuperNode owns its machine and keeps torch's default.
     if "partition-id" in context.node_config:
-        torch.set_num_threads(max(1, int(cfg["simulation"]["client_cpus"])))
+        torch.set_num_threads(reserved_cpus(cfg))
 
 
 @app.train()
@@ -97,7 +116,9 @@ def train(msg: Message, context: Context) -> Message:
     data = local_data(cfg, context)
     model = model_from_message(cfg, msg)
     node = int(context.node_config.get("partition-id", context.node_id % (2**31)))
-    generator = torch.Generator().manual_seed(hash((int(cfg["seed"]), server_round, node)) % (2**63))
+    seed = hash((int(cfg["seed"]), server_round, node)) % (2**63)
+    generator = torch.Generator().manual_seed(seed)  # batch order
+    torch.manual_seed(seed)  # dropout (VGG-16) draws from the global generator
     metrics = train_model(
         model,
         data,

@@ -1,8 +1,8 @@
 """FedAvg (McMahan et al. 2017): Flower's strategy with reproducible sampling and reply checks.
 
-Aggregation is Flower's own sample-size weighted mean (``aggregate_arrayrecords``); this
-subclass only changes *which* nodes are sampled (seeded, see :class:`NodeSampler`) and drops
-malformed replies instead of failing the round.
+The aggregate is the sample-size weighted mean, as Flower's ``aggregate_arrayrecords``; this
+subclass changes *which* nodes are sampled (seeded, see :class:`NodeSampler`), drops malformed
+replies instead of failing the round, and decodes each reply only once.
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 
-import numpy as np
-
 from strategies.common import (
     NodeSampler,
+    num_examples,
+    weighted_mean_models,
+    weighted_metrics,
     arrays_to_numpy,
     check_reply,
     evaluate_messages,
@@ -56,7 +57,8 @@ class FedAvg(FlowerFedAvg):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Send the global model to K seeded-sampled nodes."""
-        self._spec = model_spec(arrays_to_numpy(arrays))
+        if self._spec is None:
+            self._spec = model_spec(arrays_to_numpy(arrays))
         node_ids = self.sampler.sample(grid, server_round)
         self._expected = len(node_ids)
         config["server-round"] = server_round
@@ -66,25 +68,27 @@ class FedAvg(FlowerFedAvg):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Drop failed or malformed replies, then Flower's weighted mean over the rest."""
-        valid, rejected = [], []
+        """Drop failed or malformed replies, then the ``num-examples`` weighted mean of the rest.
+
+        Same arithmetic as Flower's ``aggregate_arrayrecords``, computed from the arrays the
+        reply check already decoded (each reply is decoded once), keeping every dtype.
+        """
+        models, accepted, rejected = [], [], []
         for reply in replies:
-            model, reason = check_reply(reply, self._spec or {})
+            model, reason = check_reply(reply, self._spec or {}, consume=True)
             if model is None:
                 rejected.append(f"node {reply.metadata.src_node_id}: {reason}")
             else:
-                valid.append(reply)
-        log_round_replies(server_round, self._expected, len(valid), rejected)
-        if not valid:
+                models.append(model)
+                accepted.append(reply)
+        log_round_replies(server_round, self._expected, len(models), rejected)
+        if not models:
             return None, None
-        arrays, metrics = super().aggregate_train(server_round, valid)
-        # Flower's weighted mean turns integer buffers (BatchNorm's num_batches_tracked) into
-        # floats; cast back so the global model keeps the dtypes clients send and expect.
-        model = arrays_to_numpy(arrays)
-        for key, (_, dtype) in self._spec.items():
-            if model[key].dtype != dtype:
-                model[key] = np.rint(model[key]).astype(dtype) if np.issubdtype(dtype, np.integer) else model[key].astype(dtype)
-        return numpy_to_arrays(model), metrics
+        weights = [num_examples(r, self.weighted_by_key) for r in accepted]
+        if sum(weights) <= 0:
+            weights = [1.0] * len(models)
+        metrics = MetricRecord(weighted_metrics(accepted, self.weighted_by_key))
+        return numpy_to_arrays(weighted_mean_models(models, weights)), metrics
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid

@@ -440,3 +440,25 @@ def test_batches_normalise_per_channel():
     g = torch.Generator().manual_seed(1)
     for xb, yb in D.batches(data, 3, shuffle=True, generator=g, mean=mean, std=std):
         torch.testing.assert_close(xb, want[yb], atol=1e-5, rtol=1e-5)
+
+
+def test_fast_partition_paths_equal_flower_datasets_per_partition_loading() -> None:
+    """The shortcuts (partitioner index maps, array_split for iid) give flwr-datasets' partitions."""
+    import datasets as hfds
+    from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner
+
+    from fedmm import data as data_mod
+
+    labels = np.random.default_rng(0).integers(0, 10, size=3000)
+    ds = hfds.Dataset.from_dict({"label": labels, "idx": np.arange(len(labels))})
+    fast = data_mod._partition_rows(DirichletPartitioner(30, "label", 0.3, 5, seed=4), ds, 30)
+    slow_p = DirichletPartitioner(30, "label", 0.3, 5, seed=4)
+    slow_p.dataset = ds
+    slow = [np.asarray(slow_p.load_partition(i)["idx"]) for i in range(30)]
+    assert all(np.array_equal(a, b) for a, b in zip(fast, slow))
+
+    order = np.random.default_rng(1).permutation(len(labels))
+    iid_p = IidPartitioner(num_partitions=70)
+    iid_p.dataset = hfds.Dataset.from_dict({"label": labels[order], "idx": order})
+    flower = [np.asarray(iid_p.load_partition(i)["idx"]) for i in range(70)]
+    assert all(np.array_equal(a, b) for a, b in zip(np.array_split(order, 70), flower))

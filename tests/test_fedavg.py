@@ -66,3 +66,24 @@ def test_sampling_is_reproducible_across_node_id_assignments() -> None:
     assert sampled_keys(0, seed=5) != sampled_keys(0, seed=6)
     rounds = sampled_keys(0, seed=5)
     assert all(len(set(r)) == 3 for r in rounds)
+
+
+def test_aggregate_matches_flowers_aggregate_arrayrecords() -> None:
+    from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
+
+    rng = np.random.default_rng(0)
+    contents = [
+        RecordDict({"arrays": numpy_to_arrays({"w": rng.standard_normal((3, 4)).astype(np.float32)}),
+                    "metrics": MetricRecord({"num-examples": float(n)})})
+        for n in (5, 17, 40)
+    ]
+    expected = arrays_to_numpy(aggregate_arrayrecords(contents, "num-examples"))["w"]
+
+    def node(msg, key):
+        return contents[int(key.split(":")[1])]
+
+    grid = FakeGrid(node, num_nodes=3)
+    strategy = FedAvg(clients_per_round=3, seed=0)
+    init = numpy_to_arrays({"w": np.zeros((3, 4), np.float32)})
+    arrays, _ = strategy.aggregate_train(1, grid.send_and_receive(strategy.configure_train(1, init, ConfigRecord(), grid)))
+    np.testing.assert_allclose(arrays_to_numpy(arrays)["w"], expected, rtol=1e-6)

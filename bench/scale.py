@@ -1,0 +1,372 @@
+"""Scale: one simulation with many clients (default N = 1,000, K = 100 per round) on a small
+model, through the app's own entry point (``fedmm.cli.run_job``, Ray backend). Reports whether
+it completes, seconds per round, start-up time, and the peak memory of the server process and
+of the whole run (the server plus every Ray process it started).
+
+    python bench/scale.py                                    # N=1000, K=100, cnn, mnist5k iid, 1 epoch, 3 rounds
+    python bench/scale.py --strategies fedmr --model lenet   # one strategy, the smaller model
+    python bench/scale.py --num-clients 50 --clients-per-round 10 --rounds 1   # a quick smoke run
+
+mnist5k has 4,000 training images, so 1,000 clients hold 4 each: ``--partition iid`` (default)
+gives exactly that; ``--partition dirichlet`` needs ``--min-partition-size`` <= 4000 / N (0 lets
+clients go empty).
+
+Memory:
+
+- server: the process that calls ``run_job`` (it runs the ServerApp, Flower's in-memory
+  SuperLink state and the Ray driver). ``server peak`` is the largest resident set sampled
+  after the initial evaluation (round 0: data, model, Ray and the actor pool are up; no client
+  was sampled yet), ``above r0`` that peak minus the resident set at round 0, also in model sizes
+  (the target is at most K + 3). ``VmHWM`` is the process's own high-water mark over its life.
+- run: a background thread samples, every ``--sample-interval`` seconds, the resident set
+  (RSS) and the proportional set (PSS, shared pages split among their users, e.g. Ray's
+  object store and shared libraries) of the server and all its descendant processes
+  (raylet, GCS, Ray workers = ClientApp actors, ...) and keeps the largest sum of each.
+  The RSS sum counts shared pages once per process, so it overstates; the PSS sum does not.
+
+Seconds per round: (seconds at the last round - seconds at round 1) / (rounds - 1) from the
+run's metrics.jsonl; start-up: the wall time of ``run_job`` minus rounds x seconds per round
+(with one round: minus the first round). Every strategy runs in a fresh subprocess. Prints a
+table and writes bench/results/scale.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from e2e_overhead import instrument_server, num_cores, per_round  # noqa: E402
+
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+MIB = 2**20
+
+
+# --------------------------------------------------------------------------- /proc sampling
+
+
+def rss_bytes(pid: int | str = "self") -> int:
+    """Resident set of a process (0 when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * PAGE
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def pss_bytes(pid: int) -> int | None:
+    """Proportional set of a process: 0 when it is gone, None when the kernel does not tell us."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except (FileNotFoundError, ProcessLookupError):
+        return 0
+    except OSError:  # no smaps_rollup (old kernel) or not allowed
+        return None
+    return 0
+
+
+def status_kib(field: str, pid: int | str = "self") -> int | None:
+    """A ``kB`` field of /proc/<pid>/status (VmHWM, VmRSS), in bytes."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def mem_total() -> int:
+    """Physical memory of the machine, in bytes (0 when unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def descendants(root: int) -> list[int]:
+    """``root`` and every process below it, from /proc/<pid>/stat."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+            ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, []))
+    return out
+
+
+def label(pid: int) -> str:
+    """A short name of a process: its (Ray-set) title or program name."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+    except OSError:
+        return "?"
+    first = argv[0].decode(errors="replace").strip()
+    if first.startswith("ray::"):
+        return first.split()[0]
+    name = os.path.basename(first.split()[0]) if first else "?"
+    script = next((a.decode(errors="replace") for a in argv[1:] if a and not a.startswith(b"-")), "")
+    if name.startswith("python") and script:
+        name += " " + os.path.basename(script)
+    return name[:60]
+
+
+class TreeSampler(threading.Thread):
+    """Sample the memory of this process and its descendants until :meth:`stop`."""
+
+    def __init__(self, interval: float, metrics_file: Path) -> None:
+        super().__init__(daemon=True)
+        self.interval = interval
+        self.metrics_file = metrics_file
+        self.root = os.getpid()
+        self._halt = threading.Event()
+        self.samples = 0
+        self.peak_rss_sum = 0
+        self.peak_pss_sum = 0
+        self.pss_available = True
+        self.peak_processes = 0
+        self.server_rss_r0: int | None = None
+        self.server_peak_after_r0 = 0
+        self.server_peak = 0
+        self.per_process: dict[int, dict[str, Any]] = {}
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            self.sample()
+            self._halt.wait(self.interval)
+        self.sample()
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join()
+
+    def sample(self) -> None:
+        self.samples += 1
+        pids = descendants(self.root)
+        rss_sum = pss_sum = 0
+        for pid in pids:
+            rss = rss_bytes(pid)
+            rss_sum += rss
+            pss = pss_bytes(pid) if self.pss_available else None
+            if pss is None:
+                self.pss_available = False
+            else:
+                pss_sum += pss
+            entry = self.per_process.setdefault(pid, {"name": "?", "peak_rss": -1})
+            if rss > entry["peak_rss"]:
+                # Ray renames its workers (ray::ClientAppActor) after start: name them at their peak.
+                entry["peak_rss"], entry["name"] = rss, label(pid)
+        self.peak_rss_sum = max(self.peak_rss_sum, rss_sum)
+        self.peak_pss_sum = max(self.peak_pss_sum, pss_sum)
+        self.peak_processes = max(self.peak_processes, len(pids))
+        server = rss_bytes(self.root)
+        self.server_peak = max(self.server_peak, server)
+        if self.server_rss_r0 is None:
+            try:
+                if self.metrics_file.stat().st_size > 0:  # round 0 is evaluated
+                    self.server_rss_r0 = server
+            except OSError:
+                pass
+        else:
+            self.server_peak_after_r0 = max(self.server_peak_after_r0, server)
+
+    def top(self, count: int = 8) -> list[dict[str, Any]]:
+        rows = sorted(self.per_process.values(), key=lambda e: -e["peak_rss"])[:count]
+        return [{"name": e["name"], "peak_rss_mib": e["peak_rss"] / MIB} for e in rows]
+
+
+# --------------------------------------------------------------------------- one run
+
+
+def child_scale(spec: dict[str, Any]) -> dict[str, Any]:
+    """Run the simulation in this process while sampling memory."""
+    import flwr.simulation  # noqa: F401 - imported before the clock starts
+    import torch  # noqa: F401
+
+    import client_app.client_app  # noqa: F401
+    from fedmm.cli import run_job
+    from fedmm.models import build_model
+    from fedmm.results import METRICS_FILE, read_metrics
+
+    cfg = spec["cfg"]
+    d = cfg["dataset"]
+    model = build_model(cfg["model"]["name"], int(d["in_channels"]), int(d["num_classes"]), int(d["image_size"]))
+    model_bytes = sum(v.numel() * v.element_size() for v in model.state_dict().values())
+    del model
+    timers = instrument_server()
+    run_dir = Path(cfg["output_dir"])
+    sampler = TreeSampler(float(spec["interval"]), run_dir / METRICS_FILE)
+    baseline = rss_bytes()
+    sampler.start()
+    start = time.perf_counter()
+    try:
+        run_job(cfg)
+    finally:
+        wall = time.perf_counter() - start
+        sampler.stop()
+    rows = read_metrics(run_dir)
+    seconds = {int(r["round"]): float(r["seconds"]) for r in rows}
+    rounds, k = int(cfg["num_rounds"]), int(cfg["clients_per_round"])
+    pr = per_round(seconds, rounds)
+    first = seconds[1] - seconds.get(0, 0.0)
+    r0 = sampler.server_rss_r0 or baseline
+    above = max(sampler.server_peak_after_r0 - r0, 0)
+    return {
+        "run_dir": str(run_dir),
+        "completed": len(rows) == rounds + 1 and int(rows[-1]["round"]) == rounds,
+        "final_accuracy": rows[-1]["accuracy"],
+        "replies_last_round": rows[-1].get("replies"),
+        "wall_s": wall,
+        "seconds": seconds,
+        "per_round_s": pr,
+        "first_round_s": first,
+        "startup_s": wall - (rounds * pr if pr is not None else first),
+        "roster_query_s": sum(timers.seconds["roster_query"].values()),
+        "breakdown_per_round_s": timers.per_round(rounds, int(spec["parallel"])),
+        "server_timers": timers.as_json(),
+        "model_bytes": model_bytes,
+        "server_rss_before_run_mib": baseline / MIB,
+        "server_rss_round0_mib": r0 / MIB,
+        "server_peak_after_round0_mib": sampler.server_peak_after_r0 / MIB,
+        "server_above_round0_mib": above / MIB,
+        "server_above_round0_models": above / model_bytes,
+        "server_target_models": k + 3,
+        "server_vmhwm_mib": (status_kib("VmHWM") or 0) / MIB,
+        "tree_peak_rss_sum_mib": sampler.peak_rss_sum / MIB,
+        "tree_peak_pss_sum_mib": sampler.peak_pss_sum / MIB if sampler.pss_available else None,
+        "tree_peak_processes": sampler.peak_processes,
+        "top_processes": sampler.top(),
+        "samples": sampler.samples,
+    }
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def compose_cfg(args: argparse.Namespace, strategy: str, output_dir: Path) -> dict[str, Any]:
+    from fedmm import config as config_mod
+
+    overrides = [f"strategy={strategy}", f"num_clients={args.num_clients}", f"clients_per_round={args.clients_per_round}",
+                 f"num_rounds={args.rounds}", f"seed={args.seed}", f"model={args.model}", f"partition={args.partition}",
+                 f"training.local_epochs={args.local_epochs}", f"simulation.client_cpus={args.client_cpus}",
+                 f"output_dir={output_dir}"]
+    if args.partition == "dirichlet":
+        overrides += [f"partition.alpha={args.alpha}", f"partition.min_partition_size={args.min_partition_size}"]
+    overrides += args.override
+    return config_mod.to_container(config_mod.compose(overrides))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--strategies", nargs="+", default=["fedavg", "fedmr", "fedcross"])
+    parser.add_argument("--num-clients", type=int, default=1000)
+    parser.add_argument("--clients-per-round", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--model", default="cnn", help="cnn (6.3 MiB) or lenet (0.17 MiB)")
+    parser.add_argument("--partition", default="iid", choices=["iid", "dirichlet"])
+    parser.add_argument("--alpha", type=float, default=0.5, help="dirichlet only")
+    parser.add_argument("--min-partition-size", type=int, default=0, help="dirichlet only; at most 4000 / num-clients")
+    parser.add_argument("--local-epochs", type=int, default=1)
+    parser.add_argument("--client-cpus", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sample-interval", type=float, default=0.25, help="seconds between memory samples")
+    parser.add_argument("--override", nargs="*", default=[], help="further hydra overrides")
+    parser.add_argument("--workdir", default=None, help="where runs and logs go (default: a new temporary folder)")
+    parser.add_argument("--verbose", action="store_true", help="show the children's output")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "scale.json"))
+    parser.add_argument("--child", nargs=2, metavar=("KIND", "DIR"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.child:
+        _, workdir = args.child
+        spec = json.loads((Path(workdir) / "spec.json").read_text())
+        (Path(workdir) / "result.json").write_text(json.dumps(child_scale(spec)))
+        return
+
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="fedmm-scale-")).resolve()
+    cores = num_cores()
+    parallel = max(1, int(cores // args.client_cpus))
+    print(f"scale: {cores} cores ({parallel} ClientApps at a time), runs and logs in {workdir}", flush=True)
+    print(f"{'strategy':<10}{'N':>6}{'K':>5}{'model':>7}{'done':>6}{'s/round':>9}{'startup s':>11}{'1st round s':>12}"
+          f"{'roster s':>10}{'server r0':>11}{'peak':>8}{'above r0':>10}{'copies':>8}{'/K+3':>6}{'run RSS':>9}{'run PSS':>9}"
+          f"   (MiB)", flush=True)
+    rows = []
+    for strategy in args.strategies:
+        cfg = compose_cfg(args, strategy, workdir / strategy / "run")
+        res = run_child_scale(cfg, parallel, args, workdir / strategy)
+        row = dict(res, strategy=strategy, num_clients=args.num_clients, clients_per_round=args.clients_per_round,
+                   model=args.model, partition=args.partition, rounds=args.rounds, local_epochs=args.local_epochs,
+                   client_cpus=args.client_cpus, parallel=parallel)
+        rows.append(row)
+        pr = f"{row['per_round_s']:.2f}" if row["per_round_s"] is not None else "n/a"
+        pss = f"{row['tree_peak_pss_sum_mib']:.0f}" if row["tree_peak_pss_sum_mib"] is not None else "n/a"
+        print(f"{strategy:<10}{args.num_clients:>6}{args.clients_per_round:>5}{args.model:>7}{'yes' if row['completed'] else 'NO':>6}"
+              f"{pr:>9}{row['startup_s']:>11.1f}{row['first_round_s']:>12.1f}{row['roster_query_s']:>10.1f}"
+              f"{row['server_rss_round0_mib']:>11.0f}{row['server_peak_after_round0_mib']:>8.0f}{row['server_above_round0_mib']:>10.0f}"
+              f"{row['server_above_round0_models']:>8.1f}{row['server_target_models']:>6}{row['tree_peak_rss_sum_mib']:>9.0f}{pss:>9}",
+              flush=True)
+        b = row.get("breakdown_per_round_s")
+        if b:
+            print(f"{'':<10}per round: configure {b['configure_train']:.2f}s, send_and_receive {b['train_send_and_receive']:.2f}s "
+                  f"(clients' own training {b['client_train_sum']:.2f}s summed, /{parallel} parallel), aggregate "
+                  f"{b['aggregate_train']:.2f}s, evaluate {b['central_evaluate']:.2f}s", flush=True)
+        top = ", ".join(f"{p['name']} {p['peak_rss_mib']:.0f}" for p in row["top_processes"][:6])
+        print(f"{'':<10}largest processes (peak RSS MiB): {top}", flush=True)
+    print("server r0: server RSS at the round-0 evaluation; peak: its largest sampled RSS after that; copies: (peak - r0) / "
+          "model size, against the target K + 3; run RSS / PSS: largest sampled sum over the server and its descendants.")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    machine = {"platform": platform.platform(), "processor": platform.processor(), "cpus": cores,
+               "python": platform.python_version(), "memory_gib": mem_total() / 2**30}
+    out.write_text(json.dumps({"machine": machine, "argv": sys.argv[1:], "workdir": str(workdir), "rows": rows}, indent=2))
+    print(f"wrote {out}")
+
+
+def run_child_scale(cfg: dict[str, Any], parallel: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """One run in a fresh interpreter (this file with ``--child``)."""
+    import subprocess
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "spec.json").write_text(json.dumps({"cfg": cfg, "parallel": parallel, "interval": args.sample_interval}))
+    log_path = workdir / "log.txt"
+    with open(log_path, "w") as log:
+        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", "scale", str(workdir)],
+                              stdout=None if args.verbose else log, stderr=None if args.verbose else subprocess.STDOUT)
+    if proc.returncode != 0:
+        tail = "" if args.verbose else "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
+        raise SystemExit(f"scale: the {cfg['strategy']['name']} run failed (exit {proc.returncode}); log: {log_path}\n{tail}")
+    result = json.loads((workdir / "result.json").read_text())
+    result["seconds"] = {int(r): v for r, v in result["seconds"].items()}
+    return result
+
+
+if __name__ == "__main__":
+    main()
