@@ -53,19 +53,36 @@ done
 mkdir -p "$out/supernode-keys"
 cd "$out"
 umask 077  # private keys readable by their owner only
+tmp="$(mktemp -d)"
+trap 'rm -rf "$tmp" server.csr' EXIT
+
+# A self-contained OpenSSL config (no dependency on the system's openssl.cnf), with the
+# extensions that strict X.509 verification (the default from Python 3.13 on) expects.
+cat >"$tmp/openssl.cnf" <<CNF
+[req]
+distinguished_name = dn
+prompt = no
+[dn]
+O = fedmm test deployment
+CN = fedmm test CA
+[ca_ext]
+basicConstraints = critical, CA:TRUE
+keyUsage = critical, keyCertSign, cRLSign
+subjectKeyIdentifier = hash
+CNF
 
 # --- certificate authority -------------------------------------------------------------
 if [[ ! -f ca.crt ]]; then
     openssl genrsa -out ca.key "$rsa_bits" 2>/dev/null
     openssl req -x509 -new -key ca.key -sha256 -days "$days" \
-        -subj "/O=fedmm test deployment/CN=fedmm test CA" -out ca.crt
+        -config "$tmp/openssl.cnf" -extensions ca_ext -out ca.crt
     echo "created $out/ca.crt"
 fi
 
 # --- SuperLink server certificate --------------------------------------------------------
 if [[ ! -f server.pem ]]; then
     san="DNS:localhost,IP:127.0.0.1,IP:::1,DNS:superlink"
-    for h in "${hosts[@]}"; do
+    for h in ${hosts[@]+"${hosts[@]}"}; do  # (an empty array under `set -u` in bash 3)
         if [[ "$h" =~ ^[0-9.]+$ || "$h" == *:* ]]; then
             san+=",IP:$h"
         else
@@ -73,18 +90,19 @@ if [[ ! -f server.pem ]]; then
         fi
     done
     cn="${hosts[0]:-localhost}"
-    ext="$(mktemp)"
-    trap 'rm -f "$ext" server.csr' EXIT
-    cat >"$ext" <<EOF
+    cat >"$tmp/server.ext" <<EXT
 basicConstraints = critical, CA:FALSE
 keyUsage = critical, digitalSignature, keyEncipherment
 extendedKeyUsage = serverAuth
 subjectAltName = $san
-EOF
+subjectKeyIdentifier = hash
+authorityKeyIdentifier = keyid, issuer
+EXT
     openssl genrsa -out server.key "$rsa_bits" 2>/dev/null
-    openssl req -new -key server.key -subj "/O=fedmm test deployment/CN=$cn" -out server.csr
+    openssl req -new -key server.key -config "$tmp/openssl.cnf" \
+        -subj "/O=fedmm test deployment/CN=$cn" -out server.csr
     openssl x509 -req -in server.csr -CA ca.crt -CAkey ca.key -CAcreateserial \
-        -days "$days" -sha256 -extfile "$ext" -out server.pem 2>/dev/null
+        -days "$days" -sha256 -extfile "$tmp/server.ext" -out server.pem 2>/dev/null
     echo "created $out/server.pem for $san"
 fi
 

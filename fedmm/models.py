@@ -21,7 +21,6 @@ from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
-from torchvision.models.resnet import BasicBlock
 
 from fedmm.errors import ConfigError
 
@@ -185,6 +184,9 @@ def _basic_stage(in_planes: int, planes: int, blocks: int, stride: int) -> nn.Se
             nn.Conv2d(in_planes, planes, 1, stride=stride, bias=False),
             nn.BatchNorm2d(planes),
         )
+    # imported here: torchvision costs seconds to import in every ClientApp process
+    from torchvision.models.resnet import BasicBlock
+
     mods = [BasicBlock(in_planes, planes, stride=stride, downsample=downsample)]
     mods += [BasicBlock(planes, planes) for _ in range(blocks - 1)]
     return nn.Sequential(*mods)

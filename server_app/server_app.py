@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from logging import INFO
+from logging import ERROR, INFO
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
@@ -10,6 +10,7 @@ from flwr.supercore import log
 from flwr.superlink.grid import InMemoryGrid
 
 from fedmm.config import compose_from_run_config
+from fedmm.errors import ConfigError
 from fedmm.experiment import run_experiment
 
 app = ServerApp()
@@ -29,7 +30,11 @@ def is_simulation(grid: Grid) -> bool:
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """Entry point of ``flwr run``: ``-c`` keys become hydra overrides of ``conf/``."""
-    cfg = compose_from_run_config(context.run_config)
+    try:
+        cfg = compose_from_run_config(context.run_config)
+    except ConfigError as err:
+        log(ERROR, "%s", err)  # one clear line before Flower's own report of the failed run
+        raise
     simulation = is_simulation(grid)
     if not simulation:
         log(INFO, "fedmm: deployment runtime: each SuperNode trains on its own data-path; no partitions.")

@@ -25,6 +25,7 @@ from strategies.common import (
     NodeSampler,
     arrays_to_numpy,
     check_reply,
+    evaluation_metrics,
     evaluate_messages,
     log_round_replies,
     mean_models,
@@ -152,8 +153,7 @@ class MultiModelStrategy(Strategy):
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         """Example-weighted mean of the clients' evaluation metrics."""
-        valid = [r for r in replies if not r.has_error()]
-        return MetricRecord(weighted_metrics(valid, self.weighted_by_key)) if valid else None
+        return evaluation_metrics(replies, self.weighted_by_key)
 
     # ------------------------------------------------------------------ misc
     def summary(self) -> None:

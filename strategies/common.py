@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from logging import INFO, WARNING
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
@@ -104,6 +104,12 @@ def weighted_metrics(replies: Sequence[Message], weight_key: str = "num-examples
         values = np.array([float(rec[key]) for rec in records], dtype=np.float64)
         out[key] = float((values * weights).sum() / weights.sum())
     return out
+
+
+def evaluation_metrics(replies: Iterable[Message], weight_key: str = "num-examples") -> MetricRecord | None:
+    """Example-weighted mean of the metrics of the evaluate replies that carry no error."""
+    valid = [r for r in replies if not r.has_error()]
+    return MetricRecord(weighted_metrics(valid, weight_key)) if valid else None
 
 
 def mean_models(models: Sequence[Mapping[str, np.ndarray]]) -> ModelDict:

@@ -21,6 +21,7 @@ from strategies.common import (
     weighted_metrics,
     arrays_to_numpy,
     check_reply,
+    evaluation_metrics,
     evaluate_messages,
     log_round_replies,
     model_spec,
@@ -95,6 +96,11 @@ class FedAvg(FlowerFedAvg):
     ) -> Iterable[Message]:
         """Federated evaluation on a seeded sample of ``fraction_evaluate`` of the nodes."""
         return evaluate_messages(self.sampler, grid, server_round, self.fraction_evaluate, arrays, config)
+
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        """Example-weighted mean of the clients' evaluation metrics (with the total ``num-examples``)."""
+        return evaluation_metrics(replies, self.weighted_by_key)
 
 
 def from_config(cfg: Mapping[str, Any]) -> FedAvg:

@@ -46,8 +46,8 @@ REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 CONNECTION = "fedmm-test"
 #: Images per SuperNode dataset (80% of them are its training rows).
-SITE_SIZE = 1000
-RUN_CONFIG = "num_rounds=2 clients_per_round={k} output_dir='{out}' overrides='training.local_epochs=2'"
+SITE_SIZE = 600
+RUN_CONFIG = "num_rounds=2 clients_per_round={k} output_dir='{out}' overrides='training.local_epochs=1 training.lr=0.05'"
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -70,13 +70,14 @@ def write_site(path: Path, x: np.ndarray, y: np.ndarray, num_classes: int = 10) 
 
 @pytest.fixture(scope="module")
 def mnist_sites(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
-    """Two disjoint slices of the embedded mnist5k training split, one folder each."""
+    """Two disjoint random samples of the embedded mnist5k training split, one folder each."""
     root = tmp_path_factory.mktemp("sites")
     train, _ = load_dataset(mnist_cfg())
     x, y = train.x.numpy()[:, 0], train.y.numpy()
+    rows = np.random.default_rng(0).permutation(len(y))  # the split is ordered by label
     return [
-        write_site(root / f"site-{name}", x[i * SITE_SIZE : (i + 1) * SITE_SIZE], y[i * SITE_SIZE : (i + 1) * SITE_SIZE])
-        for i, name in enumerate("ab")
+        write_site(root / f"site-{name}", x[np.sort(part)], y[np.sort(part)])
+        for name, part in zip("ab", (rows[:SITE_SIZE], rows[SITE_SIZE : 2 * SITE_SIZE]))
     ]
 
 
@@ -303,9 +304,10 @@ class Deployment:
             ],
         )
 
-    def run_app(self, run_config: str, timeout: float = 240) -> tuple[str, int]:
-        """``flwr run <repo> <connection> --stream``; returns its output and the run id."""
+    def run_app(self, name: str, run_config: str, timeout: float = 300) -> tuple[str, int]:
+        """``flwr run <repo> <connection> --stream``; returns its output (the ServerApp's log) and the run id."""
         res = self.flwr("run", str(REPO), CONNECTION, "--stream", "-c", run_config, timeout=timeout)
+        (self.logs / f"flwr-run-{name}.log").write_text(res.stdout)
         assert res.returncode == 0, res.stdout[-4000:]
         match = re.search(r"run_id `(\d+)`", res.stdout)
         assert match, res.stdout[-4000:]
@@ -340,7 +342,6 @@ def deployment(tmp_path_factory: pytest.TempPathFactory, mnist_sites: list[Path]
                 "--enable-supernode-auth",
                 "--host", "127.0.0.1",
                 "--port", str(dep.port),
-                "--database", str(dep.root / "state.db"),
             ],
         )
         deadline = time.time() + 60
@@ -381,7 +382,7 @@ def test_unregistered_supernode_is_refused(deployment: Deployment) -> None:
 
 def test_fedavg_runs_and_a_node_with_a_bad_data_path_fails_alone(deployment: Deployment) -> None:
     out = deployment.root / "fedavg"
-    stream, run_id = deployment.run_app(RUN_CONFIG.format(k=3, out=out))
+    stream, run_id = deployment.run_app("fedavg", RUN_CONFIG.format(k=3, out=out))
     # The bad node answers every train message with an error reply naming it and its problem;
     # the server logs it and aggregates the other two.
     bad = deployment.node_ids["bad"]
@@ -404,7 +405,7 @@ def test_fedmr_runs_on_the_two_good_nodes(deployment: Deployment) -> None:
     ids = deployment.node_ids
     deployment.wait_for_nodes({ids["a"]: "online", ids["b"]: "online", ids["bad"]: "offline"})
     out = deployment.root / "fedmr"
-    stream, run_id = deployment.run_app(RUN_CONFIG.format(k=2, out=out) + " strategy='fedmr'")
+    stream, run_id = deployment.run_app("fedmr", RUN_CONFIG.format(k=2, out=out) + " strategy='fedmr'")
     assert deployment.run_status(run_id) == "finished:completed"
     rows = read_metrics(out)
     assert [r["round"] for r in rows] == [0, 1, 2]

@@ -1,0 +1,27 @@
+# fedmm SuperExec image: runs this app's ServerApp (next to a SuperLink) and ClientApps (next
+# to each SuperNode) with the Flower Deployment Runtime, in `--isolation process` mode.
+#
+#   docker build -t fedmm-superexec:0.1.0 .
+#
+# Built on Flower's official SuperExec image of the pinned Flower version, which already holds
+# `flwr` (the image runs as the non-root user `app`, uid 49999, HOME=/app). Only the app's other
+# dependencies are installed here: the app's code is not baked in, `flwr run` ships it to the
+# SuperLink and SuperNodes as a FAB for every run. See docs/deployment.md.
+ARG FLWR_VERSION=1.41.0
+FROM flwr/superexec:${FLWR_VERSION}
+
+WORKDIR /app
+
+# Dependencies only (see .dockerignore: pyproject.toml is the whole build context). As in the
+# Flower Docker docs, drop the `flwr[simulation]` requirement: the base image provides flwr,
+# and the Deployment Runtime needs no Ray.
+COPY --chown=app:app pyproject.toml .
+RUN sed -i 's/.*flwr\[simulation\].*//' pyproject.toml \
+    && python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
+        > requirements.txt \
+    && python -m pip install -U --no-cache-dir -r requirements.txt
+
+# The run results of a ServerApp (results_root in conf/config.yaml) land here: mount a volume.
+RUN mkdir -p /app/fedmm-results
+
+ENTRYPOINT ["flower-superexec"]
