@@ -5,8 +5,11 @@ cross-aggregation (similarity included), for K models of the cnn / resnet20 / vg
     python bench/server_cost.py --models cnn --ks 10  # a subset
 
 Prints a table and writes bench/results/server_cost.json. Each step works on K models held
-as dicts of numpy arrays, exactly as the strategies hold them; time is the median of
-``--repeat`` runs, memory is the peak of numpy allocations (tracemalloc) above the K models.
+as dicts of numpy arrays, exactly as the strategies hold them, with the app's own functions
+(FedAvg: ``weighted_mean_models``; FedMR: ``recombine``; FedCross: ``model_similarity`` +
+``collaborative_models`` + ``cross_aggregate(consume=True)`` on models handed over as the
+strategy does); time is the median of ``--repeat`` runs, memory is the peak of numpy
+allocations (tracemalloc) above the K models the server already holds.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import numpy as np
 import torch
 
 from fedmm.models import build_model
-from strategies.common import mean_models
+from strategies.common import mean_models, weighted_mean_models
 from strategies.cross_aggregation import collaborative_models, cross_aggregate, model_similarity
 from strategies.recombination import recombine
 
@@ -31,39 +34,45 @@ SHAPES = {"cnn": (1, 10, 28), "resnet20": (3, 10, 32), "vgg16": (3, 10, 32)}
 
 
 def fedavg(models, weights):
-    """Sample-size weighted mean, the FedAvg aggregation (in the models' dtype, as Flower's)."""
-    total = float(sum(weights))
-    out = {}
-    for key, first in models[0].items():
-        acc = first * (weights[0] / total)
-        for model, w in zip(models[1:], weights[1:]):
-            acc += model[key] * (w / total)
-        out[key] = acc
-    return out
+    """FedAvg's aggregation as the app computes it (sample-size weighted mean)."""
+    return weighted_mean_models(models, weights)
 
 
 def fedmr(models, rng):
     return recombine(models, rng)
 
 
-def fedcross(models, rnd):
+def fedcross(models, rnd, consume=False):
+    """Similarity, lowest-similarity selection and cross-aggregation, as FedCross runs them
+    (the strategy hands over the trained models, which are released key by key)."""
     sim = model_similarity(models)
-    return cross_aggregate(models, collaborative_models(sim, "lowest-similarity", rnd, len(models)), 0.99)
+    partners = collaborative_models(sim, "lowest-similarity", rnd, len(models))
+    return cross_aggregate(models, partners, 0.99, consume=consume)
 
 
-def measure(fn, repeat):
+def measure(fn, repeat, setup=None):
+    """Median seconds of ``fn(setup())`` and its peak traced allocation (setup not counted).
+
+    Peak memory is the high point of traced allocations during the step minus what was held
+    before it: with a ``setup`` that hands over fresh copies, inputs the step releases offset
+    the outputs it builds.
+    """
     times = []
     for _ in range(repeat):
+        arg = setup() if setup else None
         t = time.perf_counter()
-        result = fn()
+        result = fn(arg)
         times.append(time.perf_counter() - t)
-        del result
+        del result, arg
     tracemalloc.start()
-    result = fn()
+    arg = setup() if setup else None
+    before, _ = tracemalloc.get_traced_memory()
+    tracemalloc.reset_peak()
+    result = fn(arg)
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    del result
-    return statistics.median(times), peak
+    del result, arg
+    return statistics.median(times), peak - before
 
 
 def main() -> None:
@@ -90,10 +99,14 @@ def main() -> None:
             models = [{key: (v + rng.standard_normal(v.shape).astype(v.dtype) * 0.01) if v.dtype.kind == "f" else v.copy()
                        for key, v in state.items()} for _ in range(k)]
             weights = list(rng.integers(50, 500, size=k).astype(float))
-            t_avg, m_avg = measure(lambda: fedavg(models, weights), args.repeat)
-            t_mr, m_mr = measure(lambda: fedmr(models, np.random.default_rng(1)), args.repeat)
-            t_x, m_x = measure(lambda: fedcross(models, 3), args.repeat)
-            t_mean, _ = measure(lambda: mean_models(models), args.repeat)
+            t_avg, m_avg = measure(lambda _: fedavg(models, weights), args.repeat)
+            t_mr, m_mr = measure(lambda _: fedmr(models, np.random.default_rng(1)), args.repeat)
+            t_x, m_x = measure(
+                lambda owned: fedcross(owned, 3, consume=True),
+                args.repeat,
+                setup=lambda: [{key: v.copy() for key, v in m.items()} for m in models],
+            )
+            t_mean, _ = measure(lambda _: mean_models(models), args.repeat)
             row = dict(model=name, k=k, model_mb=size / 2**20, fedavg_ms=1e3 * t_avg, fedmr_ms=1e3 * t_mr,
                        fedcross_ms=1e3 * t_x, unweighted_mean_ms=1e3 * t_mean,
                        fedavg_peak_mb=m_avg / 2**20, fedmr_peak_mb=m_mr / 2**20, fedcross_peak_mb=m_x / 2**20)
