@@ -64,9 +64,25 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def federation_size(grid: Grid, settle: float = 1.0, timeout: float = 60.0) -> int:
+    """Number of SuperNodes once it stops growing (the simulation registers them progressively)."""
+    start = changed = time.monotonic()
+    last = -1
+    while True:
+        count = len(list(grid.get_node_ids()))
+        now = time.monotonic()
+        if count != last:
+            last, changed = count, now
+        elif count > 0 and now - changed >= settle:
+            return count
+        if now - start > timeout:
+            return count
+        time.sleep(0.1)
+
+
 def _fit_federation_size(cfg: dict[str, Any], grid: Grid) -> None:
     # `flwr run` sets the number of SuperNodes in the federation config; it wins over num_clients.
-    connected = len(list(grid.get_node_ids()))
+    connected = federation_size(grid)
     if connected and connected != cfg["num_clients"]:
         log(
             WARNING,

@@ -4,8 +4,10 @@
 
 Groups the runs under the sweep directory by method (strategy + objective + first-stage /
 acceleration settings) and partition, and reports the final and best test accuracy, the
-model bytes per round and, with ``--target``, the rounds each method needs to reach a
-reference method's final accuracy.
+model bytes per round and, with ``--reference``, the rounds each method needs to reach the
+reference method's final accuracy (its accuracy at the last round, same seed) and the speed-up:
+the rounds the reference itself first needs for that accuracy / the rounds the method needs
+(the FedRL paper's Table 2).
 """
 
 from __future__ import annotations
@@ -83,10 +85,13 @@ def summarise(runs: list[dict[str, Any]], reference: str | None) -> tuple[str, d
             if ref_group:
                 speeds = []
                 for g in group:
+                    # target: the reference's accuracy at its last round (same seed); speed-up: the
+                    # rounds the reference first needs to reach it / the rounds this method needs
                     ref = next((r for r in ref_group if r["cfg"]["seed"] == g["cfg"]["seed"]), ref_group[0])
                     target = ref["rows"][-1]["accuracy"]
                     reached = rounds_to_reach(g["rows"], target)
-                    speeds.append((reached, ref["rows"][-1]["round"] / reached if reached else None))
+                    ref_reached = rounds_to_reach(ref["rows"], target)
+                    speeds.append((reached, ref_reached / reached if reached else None))
                 rounds = [s[0] for s in speeds]
                 ups = [s[1] for s in speeds if s[1] is not None]
                 row += f" {', '.join(str(r) if r else '—' for r in rounds)} | {np.mean(ups):.2f}× |" if ups else f" {', '.join('—' for _ in rounds)} | — |"

@@ -87,3 +87,17 @@ def test_aggregate_matches_flowers_aggregate_arrayrecords() -> None:
     init = numpy_to_arrays({"w": np.zeros((3, 4), np.float32)})
     arrays, _ = strategy.aggregate_train(1, grid.send_and_receive(strategy.configure_train(1, init, ConfigRecord(), grid)))
     np.testing.assert_allclose(arrays_to_numpy(arrays)["w"], expected, rtol=1e-6)
+
+
+def test_federation_size_waits_until_registration_settles() -> None:
+    from fedmm.experiment import federation_size
+
+    class GrowingGrid:
+        def __init__(self):
+            self.calls = 0
+
+        def get_node_ids(self):
+            self.calls += 1
+            return list(range(min(1000, 50 * self.calls)))  # 50 more nodes every poll
+
+    assert federation_size(GrowingGrid(), settle=0.3) == 1000
