@@ -116,13 +116,18 @@ def cross_aggregate(
     collaborators: Sequence[Sequence[int]] | np.ndarray,
     alpha: float,
     consume: bool = False,
+    block_bytes: int = 64 << 20,
 ) -> list[dict[str, np.ndarray]]:
     """``w_j ← α·w_j + (1−α)·mean(w_c for c in collaborators[j])`` for all j, from the old set.
 
     ``collaborators[j]`` is one index (cross-aggregation) or several (propeller models).
-    Integer buffers are left as they are. Computed key by key; with ``consume=True`` each
-    input entry is dropped from the input dicts as soon as its key is done, so old and new
-    models together never take more than K models plus one state_dict entry of K models.
+    Integer buffers are left as they are.
+
+    ``consume=False`` (pure): new arrays; the inputs are untouched. ``consume=True`` (what the
+    strategy uses, handing over the trained models): the result is written into the input
+    arrays, block by block, through one K × B buffer of at most ``block_bytes`` holding the old
+    values; the input dicts are emptied. Beyond the K models, memory is then that buffer plus one
+    tensor (an input array shared between models, e.g. after a stage-1 reset, is copied first).
     """
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha={alpha!r}; allowed: a number in [0, 1]")
@@ -135,6 +140,8 @@ def cross_aggregate(
         if not np.issubdtype(first.dtype, np.floating) or alpha == 1.0:
             for j in range(k):
                 out[j][key] = models[j][key]
+        elif consume:
+            _fuse_in_place(models, key, partners, alpha, out, block_bytes)
         else:
             for j in range(k):
                 new = np.multiply(models[j][key], alpha, dtype=first.dtype)
@@ -146,6 +153,42 @@ def cross_aggregate(
             for model in models:
                 model.pop(key, None)
     return out
+
+
+def _fuse_in_place(
+    models: Sequence[dict[str, np.ndarray]],
+    key: str,
+    partners: list[np.ndarray],
+    alpha: float,
+    out: list[dict[str, np.ndarray]],
+    block_bytes: int,
+) -> None:
+    """The fusion of one state_dict entry, written into the K input arrays block by block."""
+    k = len(models)
+    owned: list[np.ndarray] = []
+    seen: set[int] = set()
+    for model in models:
+        array = model[key]
+        if id(array) in seen or not array.flags.writeable or not array.flags.c_contiguous:
+            array = np.array(array, order="C", copy=True)  # never write through an alias
+        seen.add(id(array))
+        owned.append(array)
+    flat = [a.reshape(-1) for a in owned]  # views of the owned arrays
+    n, dtype = flat[0].size, flat[0].dtype
+    cols = max(1, min(n, block_bytes // (dtype.itemsize * k)))
+    old = np.empty((k, cols), dtype=dtype)
+    for start in range(0, n, cols):
+        width = min(cols, n - start)
+        for i, f in enumerate(flat):
+            old[i, :width] = f[start : start + width]
+        for j, f in enumerate(flat):
+            target = f[start : start + width]
+            np.multiply(old[j, :width], alpha, out=target)
+            weight = (1.0 - alpha) / len(partners[j])
+            for c in partners[j]:
+                target += weight * old[int(c), :width]
+    for j in range(k):
+        out[j][key] = owned[j]
 
 
 def dynamic_alpha(server_round: int, alpha: float, rounds: int, start_round: int = 0, initial: float = 0.5) -> float:

@@ -165,18 +165,24 @@ def test_blocked_gram_equals_full_gram() -> None:
     np.testing.assert_allclose(_gram(models, ["a", "b"]), flat @ flat.T, rtol=1e-5)
 
 
-def test_consume_releases_inputs_and_gives_the_same_result() -> None:
+def test_consume_writes_in_place_and_gives_the_same_result() -> None:
     rng = np.random.default_rng(3)
-    models = [{"a": rng.standard_normal(4).astype(np.float32), "n": np.array(i)} for i in range(3)]
+    models = [{"a": rng.standard_normal(1000).astype(np.float32), "n": np.array(i)} for i in range(3)]
     expected = cross_aggregate(models, [1, 2, 0], alpha=0.8)
-    shared = models[0]
-    aliased = [shared, models[1], shared]  # the same dict twice, as after a stage-1 reset
-    expected_aliased = cross_aggregate(aliased, [1, 2, 0], alpha=0.8)
-    out = cross_aggregate([dict(m) for m in aliased], [1, 2, 0], alpha=0.8, consume=True)
+
+    owned = [{k: v.copy() for k, v in m.items()} for m in models]
+    arrays_in = [m["a"] for m in owned]
+    out = cross_aggregate(owned, [1, 2, 0], alpha=0.8, consume=True, block_bytes=3 * 4 * 64)  # many blocks
+    assert all(m == {} for m in owned)  # inputs handed over
+    for a, b, arr in zip(out, expected, arrays_in):
+        np.testing.assert_allclose(a["a"], b["a"], rtol=1e-6)
+        assert a["a"] is arr  # written in place, no new model arrays
+
+    # the same dict twice, as after a stage-1 reset: no write-through between the aliases
+    shared = {k: v.copy() for k, v in models[0].items()}
+    aliased = [shared, {k: v.copy() for k, v in models[1].items()}, shared]
+    expected_aliased = cross_aggregate([models[0], models[1], models[0]], [1, 2, 0], alpha=0.8)
+    out = cross_aggregate(aliased, [1, 2, 0], alpha=0.8, consume=True, block_bytes=3 * 4 * 64)
     for a, b in zip(out, expected_aliased):
-        np.testing.assert_array_equal(a["a"], b["a"])
-    consumed = [dict(m) for m in models]
-    out = cross_aggregate(consumed, [1, 2, 0], alpha=0.8, consume=True)
-    assert all(m == {} for m in consumed)
-    for a, b in zip(out, expected):
-        np.testing.assert_array_equal(a["a"], b["a"])
+        np.testing.assert_allclose(a["a"], b["a"], rtol=1e-6)
+    assert out[0]["a"] is not out[2]["a"]
