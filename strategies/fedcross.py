@@ -115,14 +115,14 @@ class FedCross(MultiModelStrategy):
 
 
 def _nonneg_int(s: Mapping[str, Any], key: str) -> int:
-    value = s.get(key, 0)
+    value = s.get(key)
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ConfigError(f"strategy.{key}", value, "an integer >= 0")
     return value
 
 
-def _unit(s: Mapping[str, Any], key: str, default: float) -> float:
-    value = s.get(key, default)
+def _unit(s: Mapping[str, Any], key: str) -> float:
+    value = s.get(key)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
         raise ConfigError(f"strategy.{key}", value, "a number in [0, 1]")
     return float(value)
@@ -131,8 +131,8 @@ def _unit(s: Mapping[str, Any], key: str, default: float) -> float:
 def validate(cfg: Mapping[str, Any]) -> None:
     """Check the ``strategy`` group of a FedCross run."""
     s = cfg["strategy"]
-    _unit(s, "alpha", 0.99)
-    _unit(s, "propeller_alpha", 0.5)
+    _unit(s, "alpha")
+    _unit(s, "propeller_alpha")
     if s.get("selection") not in SELECTIONS:
         raise ConfigError("strategy.selection", s.get("selection"), ", ".join(SELECTIONS))
     if s.get("similarity") not in SIMILARITIES:
@@ -149,13 +149,13 @@ def from_config(cfg: Mapping[str, Any]) -> FedCross:
     return FedCross(
         num_models=cfg["clients_per_round"],
         seed=cfg["seed"],
-        fraction_evaluate=s.get("fraction_evaluate", 0.0),
-        alpha=s.get("alpha", 0.99),
-        selection=s.get("selection", "lowest-similarity"),
-        similarity=s.get("similarity", "model"),
-        first_stage_rounds=s.get("first_stage_rounds", 0),
-        propeller_rounds=s.get("propeller_rounds", 0),
-        num_propellers=s.get("num_propellers", 2),
-        propeller_alpha=s.get("propeller_alpha", 0.5),
-        dynamic_alpha_rounds=s.get("dynamic_alpha_rounds", 0),
+        fraction_evaluate=s["fraction_evaluate"],
+        alpha=s["alpha"],
+        selection=s["selection"],
+        similarity=s["similarity"],
+        first_stage_rounds=s["first_stage_rounds"],
+        propeller_rounds=s["propeller_rounds"],
+        num_propellers=s["num_propellers"],
+        propeller_alpha=s["propeller_alpha"],
+        dynamic_alpha_rounds=s["dynamic_alpha_rounds"],
     )

@@ -71,12 +71,12 @@ class FedMR(MultiModelStrategy):
 def validate(cfg: Mapping[str, Any]) -> None:
     """Check the ``strategy`` group of a FedMR run."""
     s = cfg["strategy"]
-    frs = s.get("first_stage_rounds", 0)
+    frs = s.get("first_stage_rounds")
     if not isinstance(frs, int) or isinstance(frs, bool) or frs < 0:
         raise ConfigError("strategy.first_stage_rounds", frs, "an integer >= 0")
     if s.get("granularity") not in GRANULARITIES:
         raise ConfigError("strategy.granularity", s.get("granularity"), ", ".join(GRANULARITIES))
-    ratio = s.get("partition_ratio")
+    ratio = s.get("partition_ratio", "missing")
     if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1):
         raise ConfigError("strategy.partition_ratio", ratio, "null (layer-wise) or a number in (0, 1]; 1.0 = Indep")
 
@@ -87,8 +87,8 @@ def from_config(cfg: Mapping[str, Any]) -> FedMR:
     return FedMR(
         num_models=cfg["clients_per_round"],
         seed=cfg["seed"],
-        fraction_evaluate=s.get("fraction_evaluate", 0.0),
-        first_stage_rounds=s.get("first_stage_rounds", 0),
-        granularity=s.get("granularity", "tensor"),
-        partition_ratio=s.get("partition_ratio"),
+        fraction_evaluate=s["fraction_evaluate"],
+        first_stage_rounds=s["first_stage_rounds"],
+        granularity=s["granularity"],
+        partition_ratio=s["partition_ratio"],
     )
