@@ -9,7 +9,7 @@ sequential PyTorch loop in one process that reuses the app's own pieces.
 
 Both sides do the same work for the same seed: the same initial model, partitions, sampled
 clients (``rng([seed, round]).choice`` over the nodes ordered by partition id, as
-``strategies.common.NodeSampler``), local training (``client_app.training.train`` with the
+``strategies.selection.SeededRosterSelector``), local training (``client_app.training.train`` with the
 ClientApp's per-(seed, round, partition) shuffling generator), server arithmetic (FedAvg's
 sample-weighted mean, ``recombine`` for FedMR, ``cross_aggregation`` for FedCross) and central
 evaluation on the test split every round (round 0 included, as ``Strategy.start`` does).
@@ -61,6 +61,9 @@ def num_cores() -> int:
 def compose_cfg(args: argparse.Namespace, strategy: str, client_cpus: float, output_dir: Path) -> dict[str, Any]:
     """The resolved run config of one measurement (the app's defaults plus the options)."""
     from fedmm import config as config_mod
+    from fedmm.cli import register_schemas
+
+    register_schemas()
 
     overrides = [f"strategy={strategy}", f"num_rounds={args.rounds}", f"seed={args.seed}",
                  f"output_dir={output_dir}", f"simulation.client_cpus={client_cpus}"]
@@ -132,10 +135,9 @@ def instrument_server() -> ServerTimers:
 
     from flwr.app import MessageType
 
-    from fedmm import experiment
-    from strategies.base import MultiModelStrategy
-    from strategies.common import NodeSampler
-    from strategies.fedavg import FedAvg
+    from server_app import runner as experiment
+    from strategies.base import RoundLoopStrategy
+    from strategies.selection import SeededRosterSelector
 
     timers = ServerTimers()
 
@@ -152,10 +154,10 @@ def instrument_server() -> ServerTimers:
 
         return wrapper
 
-    for cls in (MultiModelStrategy, FedAvg):
-        cls.configure_train = timed("configure_train", cls.configure_train, sets_round=True)
-        cls.aggregate_train = timed("aggregate_train", cls.aggregate_train)
-    NodeSampler._query_keys = timed("roster_query", NodeSampler._query_keys)
+    cls = RoundLoopStrategy
+    cls.configure_train = timed("configure_train", cls.configure_train, sets_round=True)
+    cls.aggregate_train = timed("aggregate_train", cls.aggregate_train)
+    SeededRosterSelector._query_keys = timed("roster_query", SeededRosterSelector._query_keys)
     experiment.evaluate_model = timed("central_evaluate", experiment.evaluate_model)
     send_and_receive = experiment.CountingGrid.send_and_receive
 
@@ -254,7 +256,7 @@ class MultiModelUpdate:
         self.rng = np.random.default_rng([int(cfg["seed"]), 0x5EED])  # as MultiModelStrategy
 
     def __call__(self, server_round: int, models: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        from strategies.common import mean_models
+        from strategies.aggregation import mean_models
 
         s, k = self.s, self.k
         first = int(s.get("first_stage_rounds", 0))
@@ -287,12 +289,13 @@ def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
     import numpy as np
     import torch
 
-    from client_app.objectives import build_objective
-    from client_app.training import evaluate, resolve_device, train
-    from fedmm.data import load_dataset, load_partition, partition_indices
-    from fedmm.experiment import seed_everything
+    from client_app.local_update import build_local_update
+    from client_app.training import train
+    from fedmm.data import input_spec, load_dataset, load_partition, partition_indices
+    from fedmm.evaluation import evaluate, resolve_device
     from fedmm.models import build_model
-    from strategies.common import mean_models
+    from server_app.runner import seed_everything
+    from strategies.aggregation import mean_models
 
     cfg = spec["cfg"]
     torch.set_num_threads(int(spec["threads"]))
@@ -306,10 +309,10 @@ def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
     seed_everything(seed)
     train_data, test_data = load_dataset(d)
     partition_indices(train_data, cfg["partition"], n, seed)
-    shape = (int(d["in_channels"]), int(d["num_classes"]), int(d["image_size"]))
-    server_model = build_model(cfg["model"]["name"], *shape)
+    shape = input_spec(d)
+    server_model = build_model(cfg["model"]["name"], shape)
     initial = _to_numpy(server_model)
-    client_model = build_model(cfg["model"]["name"], *shape)  # the ClientApp's cached model
+    client_model = build_model(cfg["model"]["name"], shape)  # the ClientApp's cached model
     update = MultiModelUpdate(cfg) if name in ("fedmr", "fedcross") else None
     setup = time.perf_counter() - setup_start
 
@@ -321,7 +324,7 @@ def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
     def central_evaluate(server_round: int, state: dict[str, Any]) -> None:
         start = time.perf_counter()
         _load(server_model, state)
-        accuracy[server_round] = evaluate(server_model, test_data, d, device)["accuracy"]
+        accuracy[server_round] = evaluate(server_model, test_data, device)["accuracy"]
         seconds[server_round] = time.perf_counter() - t0
         if server_round >= 2:
             parts["evaluate_s"] += time.perf_counter() - start
@@ -330,7 +333,7 @@ def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
     pool = [initial] * k
     central_evaluate(0, global_state)
     for server_round in range(1, rounds + 1):
-        # NodeSampler.sample over the nodes ordered by "partition:%09d", i.e. by partition id.
+        # SeededRosterSelector.select over the nodes ordered by "partition:%09d", i.e. by partition id.
         sampled = [int(i) for i in np.random.default_rng([seed, server_round]).choice(n, size=k, replace=False)]
         start = time.perf_counter()
         trained, weights = [], []
@@ -338,7 +341,7 @@ def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
             _load(client_model, global_state if update is None else pool[index])
             data = load_partition(d, cfg["partition"], pid, n, seed)
             generator = torch.Generator().manual_seed(hash((seed, server_round, pid)) % (2**63))
-            metrics = train(client_model, data, build_objective(cfg), cfg["training"], d, server_round, generator, device)
+            metrics = train(client_model, data, build_local_update(cfg), cfg["training"], server_round, generator, device)
             trained.append(_to_numpy(client_model))
             weights.append(float(metrics["num-examples"]))
         mid = time.perf_counter()

@@ -18,10 +18,12 @@ from pathlib import Path
 
 import torch
 
-from client_app.objectives import build_objective
+import client_app.local_update  # noqa: F401 - registers the objective schemas
+import strategies  # noqa: F401 - registers the strategy schemas
+from client_app.local_update import build_local_update
 from client_app.training import train
 from fedmm.config import compose, to_container
-from fedmm.data import load_dataset, load_partition
+from fedmm.data import input_spec, load_dataset, load_partition
 from fedmm.models import build_model
 
 
@@ -45,9 +47,9 @@ def main() -> None:
             for pid in range(args.clients):
                 data = load_partition(d, cfg["partition"], pid, args.clients, cfg["seed"])
                 torch.manual_seed(rnd)
-                model = build_model(args.model, d["in_channels"], d["num_classes"], d["image_size"])
+                model = build_model(args.model, input_spec(d))
                 t = time.perf_counter()
-                train(model, data, build_objective(cfg), cfg["training"], d, rnd, torch.Generator().manual_seed(pid), torch.device("cpu"))
+                train(model, data, build_local_update(cfg), cfg["training"], rnd, torch.Generator().manual_seed(pid), torch.device("cpu"))
                 times.append(time.perf_counter() - t)
         results[objective] = statistics.mean(times)
     base = results["ce"]

@@ -213,12 +213,13 @@ def child_scale(spec: dict[str, Any]) -> dict[str, Any]:
 
     import client_app.client_app  # noqa: F401
     from fedmm.cli import run_job
+    from fedmm.data import input_spec
     from fedmm.models import build_model
     from fedmm.results import METRICS_FILE, read_metrics
 
     cfg = spec["cfg"]
     d = cfg["dataset"]
-    model = build_model(cfg["model"]["name"], int(d["in_channels"]), int(d["num_classes"]), int(d["image_size"]))
+    model = build_model(cfg["model"]["name"], input_spec(d))
     model_bytes = sum(v.numel() * v.element_size() for v in model.state_dict().values())
     del model
     timers = instrument_server()
@@ -273,6 +274,9 @@ def child_scale(spec: dict[str, Any]) -> dict[str, Any]:
 
 def compose_cfg(args: argparse.Namespace, strategy: str, output_dir: Path) -> dict[str, Any]:
     from fedmm import config as config_mod
+    from fedmm.cli import register_schemas
+
+    register_schemas()
 
     overrides = [f"strategy={strategy}", f"num_clients={args.num_clients}", f"clients_per_round={args.clients_per_round}",
                  f"num_rounds={args.rounds}", f"seed={args.seed}", f"model={args.model}", f"partition={args.partition}",

@@ -25,12 +25,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fedmm.data import InputSpec
 from fedmm.models import build_model
-from strategies.common import mean_models, weighted_mean_models
+from strategies.aggregation import mean_models, weighted_mean_models
 from strategies.cross_aggregation import collaborative_models, cross_aggregate, model_similarity
 from strategies.recombination import recombine
 
-SHAPES = {"cnn": (1, 10, 28), "resnet20": (3, 10, 32), "vgg16": (3, 10, 32)}
+SHAPES = {
+    "cnn": InputSpec(kind="image", num_classes=10, shape=(1, 28, 28)),
+    "resnet20": InputSpec(kind="image", num_classes=10, shape=(3, 32, 32)),
+    "vgg16": InputSpec(kind="image", num_classes=10, shape=(3, 32, 32)),
+}
 
 
 def fedavg(models, weights):
@@ -88,7 +93,7 @@ def main() -> None:
     print(f"{'model':<10}{'K':>5}{'size MB':>9}{'FedAvg ms':>11}{'FedMR ms':>10}{'FedCross ms':>13}{'MR/Avg':>8}{'Cross/Avg':>11}"
           f"{'peak MB (Avg/MR/Cross)':>26}")
     for name in args.models:
-        base = build_model(name, *SHAPES[name])
+        base = build_model(name, SHAPES[name])
         state = {k: v.numpy() for k, v in base.state_dict().items()}
         size = sum(v.nbytes for v in state.values())
         for k in args.ks:

@@ -1,52 +1,49 @@
 """The ClientApp: local training and evaluation of whatever model the server sends.
 
-Every train/evaluate message carries the model (``arrays``) and a ``config`` record holding
-the round, the run's resolved configuration as JSON (``fedmm-config``) and, for multi-model
-strategies, the index of the model sent. The client needs no config of its own, except
-where its data lives:
+Every train/evaluate message carries the model (``arrays``) and a ``config`` record holding the
+round, the run's resolved configuration as JSON and, for multi-model strategies, the index of the
+model sent (names in :mod:`fedmm.protocol`). The client needs no config of its own, except where
+its data lives:
 
 - simulation: ``partition-id`` / ``num-partitions`` from the node config select a partition;
 - deployment: ``data-path`` in the node config points to the node's own dataset folder.
+
+The local-update plugin (``objective.name``) decides the loss, the optimizer step, the state kept
+in ``Context.state`` across rounds and any extra reply records.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Mapping
 from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord
 from flwr.clientapp import ClientApp
 
+from client_app.local_update import build_local_update
 from client_app.node_data import DATA_PATH_KEY, NodeDataError, load_node_data
-from client_app.objectives import build_objective
-from client_app.training import evaluate as evaluate_model
-from client_app.training import resolve_device
 from client_app.training import train as train_model
-from fedmm.data import ImageData, load_partition
+from fedmm import protocol
+from fedmm.data import InputSpec, TensorData, input_spec, load_partition
+from fedmm.evaluation import evaluate as evaluate_model
+from fedmm.evaluation import resolve_device
 from fedmm.models import LayeredModel, build_model
-from strategies.common import ROSTER_KEY
 
 app = ClientApp()
-
-
-def run_config_of(msg: Message) -> dict[str, Any]:
-    """The run's resolved config sent by the server."""
-    return json.loads(str(msg.content["config"]["fedmm-config"]))
 
 
 def node_key(node_config: Mapping[str, Any], node_id: int) -> str:
     """A key that identifies this node's data across runs (used for reproducible sampling)."""
     if "partition-id" in node_config:
         return f"partition:{int(node_config['partition-id']):09d}"
-    if "data-path" in node_config:
-        return f"data:{node_config['data-path']}"
+    if DATA_PATH_KEY in node_config:
+        return f"data:{node_config[DATA_PATH_KEY]}"
     return f"node:{node_id:020d}"
 
 
-def local_data(cfg: Mapping[str, Any], context: Context) -> ImageData:
+def local_data(cfg: Mapping[str, Any], context: Context) -> TensorData:
     """This node's training data: its own folder in deployment, its partition in simulation."""
     node_config = context.node_config
     if DATA_PATH_KEY in node_config:
@@ -69,16 +66,15 @@ def local_data(cfg: Mapping[str, Any], context: Context) -> ImageData:
 
 
 @functools.lru_cache(maxsize=4)
-def _model(name: str, in_channels: int, num_classes: int, image_size: int) -> LayeredModel:
+def _model(name: str, spec: InputSpec) -> LayeredModel:
     # Built once per worker process; every message loads its own weights into it.
-    return build_model(name, in_channels, num_classes, image_size)
+    return build_model(name, spec)
 
 
 def model_from_message(cfg: Mapping[str, Any], msg: Message) -> LayeredModel:
     """The configured architecture with the weights of the received ``arrays``."""
-    d = cfg["dataset"]
-    model = _model(cfg["model"]["name"], int(d["in_channels"]), int(d["num_classes"]), int(d["image_size"]))
-    model.load_state_dict(msg.content["arrays"].to_torch_state_dict(), strict=True)
+    model = _model(cfg["model"]["name"], input_spec(cfg["dataset"]))
+    model.load_state_dict(msg.content[protocol.ARRAYS].to_torch_state_dict(), strict=True)
     return model
 
 
@@ -107,50 +103,45 @@ def _set_threads(cfg: Mapping[str, Any], context: Context) -> None:
         torch.set_num_threads(reserved_cpus(cfg))
 
 
+def seed_for(cfg: Mapping[str, Any], server_round: int, context: Context) -> int:
+    """The seed of this node's round: batch order and dropout depend on (seed, round, node) only."""
+    node = int(context.node_config.get("partition-id", context.node_id % (2**31)))
+    return hash((int(cfg["seed"]), server_round, node)) % (2**63)
+
+
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    """Train the received model on the local data and send it back."""
-    cfg = run_config_of(msg)
+    """Train the received model on the local data with the configured local-update plugin."""
+    cfg = protocol.read_run_config(msg)
     _set_threads(cfg, context)
-    server_round = int(msg.content["config"]["server-round"])
+    server_round = protocol.server_round(msg)
     data = local_data(cfg, context)
     model = model_from_message(cfg, msg)
-    node = int(context.node_config.get("partition-id", context.node_id % (2**31)))
-    seed = hash((int(cfg["seed"]), server_round, node)) % (2**63)
+    seed = seed_for(cfg, server_round, context)
     generator = torch.Generator().manual_seed(seed)  # batch order
     torch.manual_seed(seed)  # dropout (VGG-16) draws from the global generator
+    update = build_local_update(cfg, context.state, msg.content)
     metrics = train_model(
-        model,
-        data,
-        build_objective(cfg),
-        cfg["training"],
-        cfg["dataset"],
-        server_round,
-        generator,
-        resolve_device(cfg["training"]["device"]),
+        model, data, update, cfg["training"], server_round, generator, resolve_device(cfg["training"]["device"])
     )
-    content = RecordDict(
-        {
-            "arrays": ArrayRecord(model.state_dict()),
-            "metrics": MetricRecord(metrics),
-        }
-    )
-    return Message(content=content, reply_to=msg)
+    records = {protocol.ARRAYS: ArrayRecord(model.state_dict()), protocol.METRICS: MetricRecord(metrics)}
+    records.update(update.end(model))
+    return protocol.reply_message(msg, records)
 
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     """Evaluate the received model on the local data (federated evaluation)."""
-    cfg = run_config_of(msg)
+    cfg = protocol.read_run_config(msg)
     _set_threads(cfg, context)
     data = local_data(cfg, context)
     model = model_from_message(cfg, msg)
-    metrics = evaluate_model(model, data, cfg["dataset"], resolve_device(cfg["training"]["device"]))
-    return Message(content=RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
+    metrics = evaluate_model(model, data, resolve_device(cfg["training"]["device"]))
+    return protocol.reply_message(msg, {protocol.METRICS: MetricRecord(metrics)})
 
 
 @app.query()
 def query(msg: Message, context: Context) -> Message:
     """Report this node's stable key so the server samples reproducibly."""
-    reply = ConfigRecord({ROSTER_KEY: node_key(context.node_config, context.node_id)})
-    return Message(content=RecordDict({"roster": reply}), reply_to=msg)
+    key = node_key(context.node_config, context.node_id)
+    return protocol.reply_message(msg, {protocol.ROSTER: ConfigRecord({protocol.NODE_KEY: key})})

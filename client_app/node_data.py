@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from fedmm.data import ImageData, load_dataset
+from fedmm.data import TensorData, load_dataset
 from fedmm.errors import ConfigError
 
 #: Node config key that points a SuperNode to its dataset folder.
@@ -64,7 +64,7 @@ def _explain(err: ConfigError) -> str:
     return f"the dataset does not fit the run's dataset config: {err.key}={err.value!r}; allowed: {err.allowed}"
 
 
-def load_node_data(dataset_cfg: Mapping[str, Any], data_path: object, node_id: int) -> ImageData:
+def load_node_data(dataset_cfg: Mapping[str, Any], data_path: object, node_id: int) -> TensorData:
     """The training split of the dataset in ``data_path``, checked against the run's ``dataset`` config.
 
     Parameters
@@ -78,7 +78,7 @@ def load_node_data(dataset_cfg: Mapping[str, Any], data_path: object, node_id: i
 
     Returns
     -------
-    ImageData
+    TensorData
         The training split. A single-split dataset gives up ``dataset.test_fraction`` of its
         rows to a held-out split that the ClientApp does not use, exactly as on the server.
 

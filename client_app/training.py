@@ -1,4 +1,8 @@
-"""Local training and evaluation on one client's data (plain PyTorch, no Flower types)."""
+"""The local training loop of a client (plain PyTorch, no Flower types).
+
+What a method changes (loss, optimizer step, state, extra records) comes in through its
+local-update plugin (:mod:`client_app.local_update`); this loop stays the same for all.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +12,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
-from client_app.objectives import Objective
-from fedmm.data import ImageData, batches
+from client_app.local_update import LocalUpdate
+from fedmm.data import TensorData, batches
+from fedmm.protocol import NUM_EXAMPLES
 
 
 def round_lr(training: Mapping[str, Any], server_round: int) -> float:
@@ -20,29 +24,19 @@ def round_lr(training: Mapping[str, Any], server_round: int) -> float:
     return float(training["lr"]) * float(training["lr_decay_factor"]) ** passed
 
 
-def resolve_device(name: str) -> torch.device:
-    """``auto`` picks CUDA when present."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("training.device='cuda' but no CUDA device is visible on this node")
-    return torch.device(name)
-
-
 def train(
     model: nn.Module,
-    data: ImageData,
-    objective: Objective,
+    data: TensorData,
+    update: LocalUpdate,
     training: Mapping[str, Any],
-    dataset: Mapping[str, Any],
     server_round: int,
     generator: torch.Generator,
     device: torch.device,
 ) -> dict[str, float]:
-    """Run ``local_epochs`` of SGD; return mean training loss, examples and seconds."""
+    """Run ``local_epochs`` of SGD through ``update``; return mean training loss, examples, seconds."""
     start = time.perf_counter()
     model.to(device).train()
-    objective.start_round(model, server_round)
+    update.begin(model, server_round)
     optimizer = torch.optim.SGD(
         model.parameters(),
         lr=round_lr(training, server_round),
@@ -51,36 +45,12 @@ def train(
     )
     total_loss, total_seen = 0.0, 0
     for _ in range(int(training["local_epochs"])):
-        for x, y in batches(
-            data,
-            int(training["batch_size"]),
-            shuffle=True,
-            generator=generator,
-            mean=dataset["mean"],
-            std=dataset["std"],
-            device=device,
-        ):
-            optimizer.zero_grad(set_to_none=True)
-            loss, _ = objective.loss(model, x, y)
-            loss.backward()
-            optimizer.step()
+        for x, y in batches(data, int(training["batch_size"]), shuffle=True, generator=generator, device=device):
+            loss = update.step(model, optimizer, x, y)
             total_loss += float(loss.detach()) * len(y)
             total_seen += len(y)
     return {
         "train_loss": total_loss / max(total_seen, 1),
-        "num-examples": float(len(data)),
+        NUM_EXAMPLES: float(len(data)),
         "train_time": time.perf_counter() - start,
     }
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, data: ImageData, dataset: Mapping[str, Any], device: torch.device, batch_size: int = 500) -> dict[str, float]:
-    """Accuracy and mean cross-entropy of ``model`` on ``data``."""
-    model.to(device).eval()
-    loss_sum, correct = 0.0, 0
-    for x, y in batches(data, batch_size, shuffle=False, generator=None, mean=dataset["mean"], std=dataset["std"], device=device):
-        logits = model(x)
-        loss_sum += float(F.cross_entropy(logits, y, reduction="sum"))
-        correct += int((logits.argmax(dim=1) == y).sum())
-    n = max(len(data), 1)
-    return {"accuracy": correct / n, "loss": loss_sum / n, "num-examples": float(len(data))}

@@ -2,10 +2,13 @@
 
     fedmm strategy=fedmr partition.alpha=0.1
     fedmm -m seed=0,1,2 strategy=fedavg,fedmr
+    fedmm resume=outputs/2026-11-23/10-00-00_fedmr+ce_mnist5k_dirichlet_s0 [num_rounds=50]
 
-Each job composes ``conf/`` with its overrides, validates it, and runs the ServerApp and
-ClientApp of this app on the Ray backend with ``simulation.num_supernodes`` virtual
-SuperNodes; results go to the hydra job directory.
+Each job composes ``conf/`` with its overrides, validates it once, and runs the ServerApp and
+ClientApp of this app on the Ray backend with ``simulation.num_supernodes`` virtual SuperNodes;
+results go to the hydra job directory (or, with ``resume``, to the run being continued).
+
+This module is the composition root: the only place that imports both apps. Nothing imports it.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ def backend_config(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_job(cfg: dict[str, Any]) -> Path:
-    """Run one experiment on the simulation engine and return its results directory."""
+    """Run one validated experiment on the simulation engine and return its results directory."""
     import warnings
 
     from flwr.app import Context
@@ -43,7 +46,7 @@ def run_job(cfg: dict[str, Any]) -> Path:
     from flwr.simulation import run_simulation
 
     from client_app.client_app import app as client_app
-    from fedmm.experiment import run_experiment
+    from server_app.runner import run_experiment
 
     out: dict[str, Path] = {}
     server_app = ServerApp()
@@ -65,12 +68,27 @@ def run_job(cfg: dict[str, Any]) -> Path:
     return out["dir"]
 
 
-@hydra.main(config_path=str(config_mod.CONF_DIR), config_name="config", version_base=None)
-def _hydra_main(cfg: DictConfig) -> None:
+def register_schemas() -> None:
+    """Import the packages whose config groups register their schemas."""
+    import client_app.local_update  # noqa: F401
+    import strategies  # noqa: F401
+
+
+def job_config(cfg: DictConfig) -> dict[str, Any]:
+    """The validated config of this hydra job (a fresh run, or the run given by ``resume``)."""
+    register_schemas()
+    if cfg.get("resume"):
+        explicit = [o for o in HydraConfig.get().overrides.task if not o.lstrip("+").startswith("resume=")]
+        return config_mod.resume_config(cfg["resume"], explicit)
     resolved = config_mod.to_container(cfg)
     resolved["output_dir"] = HydraConfig.get().runtime.output_dir
+    return config_mod.validate(resolved)
+
+
+@hydra.main(config_path=str(config_mod.CONF_DIR), config_name="config", version_base=None)
+def _hydra_main(cfg: DictConfig) -> None:
     try:
-        config_mod.validate(resolved)
+        resolved = job_config(cfg)
     except ConfigError as err:
         raise SystemExit(str(err)) from None
     # Flower logs to its own console handler; stop hydra's root handler from printing it twice.

@@ -1,20 +1,29 @@
 """Compose, validate and serialise the run configuration.
 
-`conf/` (hydra) is the single source of defaults. Both entry points end up with the same
+``conf/`` (hydra) is the single source of defaults. Both entry points end up with the same
 resolved config:
 
 - ``fedmm ...`` gets it from ``@hydra.main``;
 - ``flwr run . -c "..."`` passes the run-config keys declared in ``pyproject.toml`` to
   :func:`compose_from_run_config`, which turns them into hydra overrides.
+
+Validation is one pass (:func:`validate`) over a schema: every config group is checked by the
+schema its owner registers next to the code it configures (:func:`register_schema`):
+``dataset`` / ``partition`` in :mod:`fedmm.data`, ``model`` in :mod:`fedmm.models`, each
+``strategy`` in its module of ``strategies/``, each ``objective`` (local-update plugin) in
+``client_app/plugins.py``; the run-level keys, ``training`` and ``simulation`` are declared
+here. This module imports no app and no strategy: the entry points import those, which
+registers their schemas. Unknown keys at any depth are errors naming the nearest valid key.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import os
 import shlex
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +46,237 @@ CONF_DIR = Path(os.environ.get("FEDMM_CONF_DIR") or _find_conf_dir())
 #: Config groups: a run-config key of the same name selects an option of the group.
 GROUPS = ("strategy", "dataset", "partition", "model", "training", "simulation", "objective")
 #: Top-level scalar keys a ``flwr run -c`` may set directly.
-SCALAR_KEYS = ("num_rounds", "seed", "eval_every", "num_clients", "clients_per_round", "output_dir")
+SCALAR_KEYS = (
+    "num_rounds", "seed", "eval_every", "num_clients", "clients_per_round", "output_dir", "checkpoint_every", "resume",
+)
 #: Top-level keys set only in conf/ or by hydra overrides.
 OTHER_KEYS = ("round_timeout", "results_root")
 
 
+# =============================================================================== schema
+class Field:
+    """One config value's rule: ``check(key, value)`` raises :class:`ConfigError` or passes."""
+
+    allowed = "a value"
+
+    def ok(self, value: Any) -> bool:  # pragma: no cover - every field overrides it
+        raise NotImplementedError
+
+    def check(self, key: str, value: Any) -> None:
+        if not self.ok(value):
+            raise ConfigError(key, value, self.allowed)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+class Int(Field):
+    """An integer, optionally bounded (inclusive)."""
+
+    def __init__(self, min: int | None = None, max: int | None = None, allowed: str | None = None) -> None:  # noqa: A002
+        self.min, self.max = min, max
+        if allowed:
+            self.allowed = allowed
+        elif min is not None and max is not None:
+            self.allowed = f"an integer from {min} to {max}"
+        elif min is not None:
+            self.allowed = f"an integer >= {min}"
+        else:
+            self.allowed = "an integer"
+
+    def ok(self, value: Any) -> bool:
+        return _is_int(value) and (self.min is None or value >= self.min) and (self.max is None or value <= self.max)
+
+
+class Number(Field):
+    """A finite number; ``gt``/``ge``/``lt``/``le`` bound it."""
+
+    def __init__(self, gt: float | None = None, ge: float | None = None, lt: float | None = None, le: float | None = None,
+                 allowed: str | None = None) -> None:
+        self.gt, self.ge, self.lt, self.le = gt, ge, lt, le
+        if allowed:
+            self.allowed = allowed
+        elif (gt is not None or ge is not None) and (lt is not None or le is not None):
+            low = f"({gt}" if gt is not None else f"[{ge}"
+            high = f"{lt})" if lt is not None else f"{le}]"
+            self.allowed = f"a number in {low}, {high}"
+        elif gt is not None:
+            self.allowed = f"a number > {gt}"
+        elif ge is not None:
+            self.allowed = f"a number >= {ge}"
+        else:
+            self.allowed = "a number"
+
+    def ok(self, value: Any) -> bool:
+        return _is_number(value) and (
+            (self.gt is None or value > self.gt)
+            and (self.ge is None or value >= self.ge)
+            and (self.lt is None or value < self.lt)
+            and (self.le is None or value <= self.le)
+        )
+
+
+class Choice(Field):
+    """One of the listed values."""
+
+    def __init__(self, *options: Any) -> None:
+        self.options = options
+        self.allowed = ", ".join(str(o) for o in options)
+
+    def ok(self, value: Any) -> bool:
+        return any(value == o and type(value) is type(o) for o in self.options)
+
+
+class Bool(Field):
+    allowed = "true or false"
+
+    def ok(self, value: Any) -> bool:
+        return isinstance(value, bool)
+
+
+class Str(Field):
+    allowed = "a string"
+
+    def ok(self, value: Any) -> bool:
+        return isinstance(value, str)
+
+
+class Nullable(Field):
+    """``null`` or what ``inner`` allows."""
+
+    def __init__(self, inner: Field, allowed: str | None = None) -> None:
+        self.inner = inner
+        self.allowed = allowed or f"null or {inner.allowed}"
+
+    def ok(self, value: Any) -> bool:
+        return value is None or self.inner.ok(value)
+
+
+class ListOf(Field):
+    """A list whose items ``inner`` allows."""
+
+    def __init__(self, inner: Field, allowed: str | None = None) -> None:
+        self.inner = inner
+        self.allowed = allowed or f"a list of {inner.allowed}"
+
+    def ok(self, value: Any) -> bool:
+        return isinstance(value, (list, tuple)) and all(self.inner.ok(v) for v in value)
+
+
+class MapOf(Field):
+    """A mapping from names to values that ``inner`` allows."""
+
+    def __init__(self, inner: Field, allowed: str | None = None) -> None:
+        self.inner = inner
+        self.allowed = allowed or f"a mapping of names to {inner.allowed}"
+
+    def ok(self, value: Any) -> bool:
+        return isinstance(value, Mapping) and all(isinstance(k, str) and self.inner.ok(v) for k, v in value.items())
+
+
+class AnyValue(Field):
+    """Anything (checked elsewhere, e.g. by a group checker)."""
+
+    allowed = "any value"
+
+    def ok(self, value: Any) -> bool:
+        return True
+
+
+#: A group's schema: key -> Field. A callable checker may follow (cross-key rules).
+Schema = Mapping[str, Field]
+Checker = Callable[[Mapping[str, Any], Mapping[str, Any]], None]
+
+
+def check_keys(prefix: str, values: Mapping[str, Any], schema: Schema) -> None:
+    """Unknown keys name the nearest valid one; missing keys are errors; each field is checked."""
+    for key in values:
+        if key not in schema:
+            near = difflib.get_close_matches(str(key), list(schema), n=1)
+            hint = f"; did you mean {prefix}{near[0]}?" if near else ""
+            allowed = ", ".join(schema) or "no keys"
+            raise ConfigError(f"{prefix}{key}", values[key], f"the keys of {prefix.rstrip('.') or 'the config'}: {allowed}{hint}")
+    for key, field in schema.items():
+        if key not in values:
+            raise ConfigError(f"{prefix}{key}", None, f"a value (the key is missing; {field.allowed})")
+        field.check(f"{prefix}{key}", values[key])
+
+
+class _GroupRule:
+    def __init__(self, schema: Schema, checker: Checker | None) -> None:
+        self.schema = dict(schema)
+        self.checker = checker
+
+
+#: (group, option name) -> rule. Filled by :func:`register_schema`.
+_REGISTRY: dict[tuple[str, str], _GroupRule] = {}
+
+
+def register_schema(group: str, name: str, schema: Schema, checker: Checker | None = None) -> None:
+    """Declare the keys of option ``name`` of config group ``group``.
+
+    ``schema`` lists every key besides ``name`` with its rule; ``checker(group_values, cfg)``
+    runs afterwards for rules that span keys or groups. Called by the module that owns the
+    option, next to the code it configures.
+    """
+    _REGISTRY[(group, name)] = _GroupRule(schema, checker)
+
+
+def registered_names(group: str) -> list[str]:
+    """The option names registered for ``group``."""
+    return sorted(name for g, name in _REGISTRY if g == group)
+
+
+# ----------------------------------------------------------------------- run-level schemas
+_TOP_SCHEMA: dict[str, Field] = {
+    "num_rounds": Int(min=1),
+    "seed": Int(min=0),
+    "eval_every": Int(min=1),
+    "num_clients": Int(min=1),
+    "clients_per_round": AnyValue(),  # bounded by num_clients, checked below
+    "round_timeout": Number(gt=0, allowed="seconds > 0"),
+    "results_root": Str(),
+    "output_dir": Nullable(Str(), "null or a directory path"),
+    "checkpoint_every": Int(min=0, allowed="an integer >= 0 (0: only at the end)"),
+    "resume": Nullable(Str(), "null or the directory of a run to continue"),
+}
+
+_TRAINING_SCHEMA: dict[str, Field] = {
+    "lr": Number(gt=0),
+    "momentum": Number(ge=0, lt=1),
+    "weight_decay": Number(ge=0),
+    "local_epochs": Int(min=1),
+    "batch_size": Int(min=1),
+    "lr_decay_rounds": ListOf(Int(min=1), "a list of rounds >= 1"),
+    "lr_decay_factor": Number(gt=0, le=1),
+    "device": Choice("auto", "cpu", "cuda"),
+}
+
+
+def _gpus_ok(value: Any) -> bool:
+    return (_is_number(value) and 0 <= value <= 1) or (_is_int(value) and value >= 0)
+
+
+class _Gpus(Field):
+    allowed = "a GPU fraction in [0, 1] (or a whole number of GPUs)"
+
+    def ok(self, value: Any) -> bool:
+        return _gpus_ok(value)
+
+
+_SIMULATION_SCHEMA: dict[str, Field] = {
+    "num_supernodes": Int(min=1),
+    "client_cpus": Number(gt=0),
+    "client_gpus": _Gpus(),
+}
+
+
+# =============================================================================== compose
 def group_options(group: str) -> list[str]:
     """Names of the options of one config group (the YAML files in ``conf/<group>/``)."""
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
@@ -65,8 +300,8 @@ def overrides_from_run_config(run_config: Mapping[str, Any]) -> list[str]:
     return overrides
 
 
-def compose(overrides: Sequence[str] = ()) -> DictConfig:
-    """Compose ``conf/config.yaml`` with hydra overrides and validate the result."""
+def compose(overrides: Sequence[str] = (), validate_config: bool = True) -> DictConfig:
+    """Compose ``conf/config.yaml`` with hydra overrides (and validate the result)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.errors import HydraException
@@ -83,13 +318,19 @@ def compose(overrides: Sequence[str] = ()) -> DictConfig:
             cfg = hydra_compose(config_name="config", overrides=list(overrides))
     except (HydraException, OmegaConfBaseException) as err:
         raise ConfigError("overrides", list(overrides), f"valid hydra overrides ({err})") from err
-    validate(cfg)
+    if validate_config:
+        validate(cfg)
     return cfg
 
 
-def compose_from_run_config(run_config: Mapping[str, Any]) -> DictConfig:
-    """Resolved config for a ``flwr run`` (run config → hydra overrides → compose)."""
-    return compose(overrides_from_run_config(run_config))
+def compose_from_run_config(run_config: Mapping[str, Any]) -> dict[str, Any]:
+    """Validated config of a ``flwr run``: run config → hydra overrides → compose, or, with
+    ``resume``, the config of the run to continue (with the changes it allows)."""
+    resume = run_config.get("resume", "")
+    if resume:
+        changes = [o for o in overrides_from_run_config({**run_config, "resume": ""})]
+        return resume_config(str(resume), changes)
+    return validate(compose(overrides_from_run_config(run_config), validate_config=False))
 
 
 def to_container(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
@@ -105,94 +346,89 @@ def dumps(cfg: DictConfig | Mapping[str, Any]) -> str:
     return json.dumps(to_container(cfg), sort_keys=True)
 
 
-def _require(cond: bool, key: str, value: object, allowed: str) -> None:
-    if not cond:
-        raise ConfigError(key, value, allowed)
+# =============================================================================== validate
+def validate(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
+    """Check every value before any training starts, in one pass over the schema.
 
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def validate(cfg: DictConfig | Mapping[str, Any]) -> None:
-    """Check every value before any training starts; raise :class:`ConfigError` on the first bad one."""
-    from fedmm.models import MODEL_NAMES
-    from strategies import STRATEGIES
-
+    Returns the plain resolved dict. Raises :class:`ConfigError` on the first bad value,
+    naming the key, the value and what is allowed.
+    """
+    _ensure_core_schemas()
     c = to_container(cfg)
-    unknown = sorted(set(c) - set(GROUPS) - set(SCALAR_KEYS) - set(OTHER_KEYS))
-    if unknown:
-        raise ConfigError(unknown[0], c[unknown[0]], "the top-level keys " + ", ".join(GROUPS + SCALAR_KEYS + OTHER_KEYS))
+    top = {k: v for k, v in c.items() if k not in GROUPS}
+    top_schema = dict(_TOP_SCHEMA)
+    known = set(top_schema) | set(GROUPS)
+    for key in c:
+        if key not in known:
+            near = difflib.get_close_matches(str(key), sorted(known), n=1)
+            hint = f"; did you mean {near[0]}?" if near else ""
+            raise ConfigError(key, c[key], "the top-level keys " + ", ".join(GROUPS + SCALAR_KEYS + OTHER_KEYS) + hint)
     for group in GROUPS:
-        _require(isinstance(c.get(group), dict), group, c.get(group), ", ".join(group_options(group)))
-
-    _require(_is_int(c["num_rounds"]) and c["num_rounds"] >= 1, "num_rounds", c["num_rounds"], "an integer >= 1")
-    _require(_is_int(c["seed"]) and c["seed"] >= 0, "seed", c["seed"], "an integer >= 0")
-    _require(_is_int(c["eval_every"]) and c["eval_every"] >= 1, "eval_every", c["eval_every"], "an integer >= 1")
-    _require(_is_int(c["num_clients"]) and c["num_clients"] >= 1, "num_clients", c["num_clients"], "an integer >= 1")
+        if not isinstance(c.get(group), dict):
+            raise ConfigError(group, c.get(group), ", ".join(group_options(group)))
+    check_keys("", top, top_schema)
     k = c["clients_per_round"]
-    _require(
-        _is_int(k) and 1 <= k <= c["num_clients"],
-        "clients_per_round",
-        k,
-        f"an integer from 1 to num_clients={c['num_clients']}",
-    )
-    _require(_is_number(c["round_timeout"]) and c["round_timeout"] > 0, "round_timeout", c["round_timeout"], "seconds > 0")
+    if not (_is_int(k) and 1 <= k <= c["num_clients"]):
+        raise ConfigError("clients_per_round", k, f"an integer from 1 to num_clients={c['num_clients']}")
+    check_keys("training.", c["training"], _TRAINING_SCHEMA)
+    check_keys("simulation.", c["simulation"], _SIMULATION_SCHEMA)
+    for group in ("dataset", "partition", "model", "strategy", "objective"):
+        values = c[group]
+        name = values.get("name")
+        options = registered_names(group)
+        if (group, name) not in _REGISTRY:
+            raise ConfigError(f"{group}.name", name, ", ".join(options) or f"(no {group} registered: import its package)")
+        rule = _REGISTRY[(group, name)]
+        check_keys(f"{group}.", {k: v for k, v in values.items() if k != "name"}, rule.schema)
+        if rule.checker:
+            rule.checker(values, c)
+    return c
 
-    strategy = c["strategy"].get("name")
-    _require(strategy in STRATEGIES, "strategy.name", strategy, ", ".join(sorted(STRATEGIES)))
-    fe = c["strategy"].get("fraction_evaluate", 0.0)
-    _require(_is_number(fe) and 0.0 <= fe <= 1.0, "strategy.fraction_evaluate", fe, "a number in [0, 1]")
-    _require(c["model"].get("name") in MODEL_NAMES, "model.name", c["model"].get("name"), ", ".join(MODEL_NAMES))
 
-    t = c["training"]
-    _require(_is_number(t["lr"]) and t["lr"] > 0, "training.lr", t["lr"], "a number > 0")
-    _require(_is_number(t["momentum"]) and 0 <= t["momentum"] < 1, "training.momentum", t["momentum"], "a number in [0, 1)")
-    _require(
-        _is_number(t["weight_decay"]) and t["weight_decay"] >= 0, "training.weight_decay", t["weight_decay"], "a number >= 0"
-    )
-    _require(_is_int(t["local_epochs"]) and t["local_epochs"] >= 1, "training.local_epochs", t["local_epochs"], "an integer >= 1")
-    _require(_is_int(t["batch_size"]) and t["batch_size"] >= 1, "training.batch_size", t["batch_size"], "an integer >= 1")
-    _require(t["device"] in ("auto", "cpu", "cuda"), "training.device", t["device"], "auto, cpu, cuda")
-    _require(
-        isinstance(t["lr_decay_rounds"], list) and all(_is_int(r) and r >= 1 for r in t["lr_decay_rounds"]),
-        "training.lr_decay_rounds",
-        t["lr_decay_rounds"],
-        "a list of rounds >= 1",
-    )
-    _require(
-        _is_number(t["lr_decay_factor"]) and 0 < t["lr_decay_factor"] <= 1,
-        "training.lr_decay_factor",
-        t["lr_decay_factor"],
-        "a number in (0, 1]",
-    )
+# =============================================================================== resume
+#: Keys a resumed run may change: it continues the run's own config otherwise.
+RESUME_CHANGEABLE = ("num_rounds", "checkpoint_every", "round_timeout", "simulation")
 
-    s = c["simulation"]
-    _require(_is_int(s["num_supernodes"]) and s["num_supernodes"] >= 1, "simulation.num_supernodes", s["num_supernodes"], "an integer >= 1")
-    _require(_is_number(s["client_cpus"]) and s["client_cpus"] > 0, "simulation.client_cpus", s["client_cpus"], "a number > 0")
-    _require(
-        _is_number(s["client_gpus"]) and 0 <= s["client_gpus"] <= 1 or (_is_int(s["client_gpus"]) and s["client_gpus"] >= 0),
-        "simulation.client_gpus",
-        s["client_gpus"],
-        "a GPU fraction in [0, 1] (or a whole number of GPUs)",
-    )
 
-    from fedmm.data import check_dataset_config, check_partition_config
+def resume_config(run_dir: str | os.PathLike, changes: Mapping[str, Any] | Sequence[str] = ()) -> dict[str, Any]:
+    """The config of the run in ``run_dir`` (its ``config.yaml``), to continue it.
 
-    check_dataset_config(c["dataset"])
-    path = c["dataset"].get("path")
-    if path and not Path(os.path.expanduser(str(path))).exists():
-        raise ConfigError("dataset.path", path, "an existing local dataset folder (save_to_disk output or CIFAR python batches), or null")
-    check_partition_config(c["partition"])
+    ``changes`` are hydra-style ``key=value`` overrides (or a dict) of the keys in
+    :data:`RESUME_CHANGEABLE` (e.g. a larger ``num_rounds`` extends the run); any other key is a
+    config error, because the continued run must be the same experiment.
+    """
+    import yaml
 
-    from strategies import validate_strategy_config
+    path = Path(os.path.expanduser(str(run_dir))).resolve()
+    config_file = path / "config.yaml"
+    if not config_file.is_file():
+        raise ConfigError("resume", str(run_dir), "the directory of a fedmm run (it holds config.yaml and checkpoint.pt)")
+    cfg = yaml.safe_load(config_file.read_text(encoding="utf-8"))
+    items = list(changes.items()) if isinstance(changes, Mapping) else [_split_override(o) for o in changes]
+    for key, value in items:
+        if key.split(".", 1)[0] not in RESUME_CHANGEABLE:
+            raise ConfigError(key, value, "no change when resuming (the run continues its own config); changeable: " + ", ".join(RESUME_CHANGEABLE))
+        node = cfg
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node[part]
+        node[parts[-1]] = value
+    cfg["resume"] = str(path)
+    cfg["output_dir"] = str(path)
+    return validate(cfg)
 
-    validate_strategy_config(c)
 
-    from client_app.objectives import validate_objective_config
+def _split_override(item: str) -> tuple[str, Any]:
+    import yaml
 
-    validate_objective_config(c)
+    key, sep, value = item.lstrip("+").partition("=")
+    if not sep:
+        raise ConfigError("overrides", item, "key=value")
+    return key, yaml.safe_load(value)
+
+
+def _ensure_core_schemas() -> None:
+    # fedmm's own groups register on import; strategies and local-update plugins are imported
+    # by the entry points (this module imports no app and no strategy).
+    import fedmm.data  # noqa: F401
+    import fedmm.models  # noqa: F401

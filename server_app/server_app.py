@@ -1,4 +1,4 @@
-"""The ServerApp: compose the config from the run config, then run the experiment."""
+"""The ServerApp: validate the config from the run config, then run (or resume) the experiment."""
 
 from __future__ import annotations
 
@@ -9,9 +9,12 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 from flwr.superlink.grid import InMemoryGrid
 
+# Importing these registers the schemas of their config groups (strategy, objective).
+import client_app.local_update  # noqa: F401
+import strategies  # noqa: F401
 from fedmm.config import compose_from_run_config
 from fedmm.errors import ConfigError
-from fedmm.experiment import run_experiment
+from server_app.runner import run_experiment
 
 app = ServerApp()
 

@@ -1,34 +1,47 @@
 """Server-side strategies: one module per method, registered here by config name.
 
-Each module provides ``from_config(cfg) -> Strategy`` and, when its config group has keys of
-its own, ``validate(cfg)``.
+Each module provides ``from_config(cfg) -> Strategy`` and ``CONFIG_SCHEMA`` (the keys of its
+``strategy`` config group); importing this package registers the schemas with
+:func:`fedmm.config.register_schema`.
+
+The strategy classes work in any Flower app (they need only Flower's message conventions):
+
+    from strategies import FedMR, FedCross, FedAvg
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
+from types import ModuleType
 from typing import Any
 
 from flwr.serverapp.strategy import Strategy
 
+from fedmm.config import register_schema
 from strategies import fedavg, fedcross, fedmr
+from strategies.base import RoundLoopStrategy
+from strategies.fedavg import FedAvg
+from strategies.fedcross import FedCross
+from strategies.fedmr import FedMR
+from strategies.multimodel import MultiModelStrategy
+from strategies.selection import ClientSelector, SeededRosterSelector
 
-#: strategy.name -> module with ``from_config`` (and optionally ``validate``).
-STRATEGIES: dict[str, Any] = {
+__all__ = [
+    "STRATEGIES", "build_strategy", "ClientSelector", "FedAvg", "FedCross", "FedMR", "MultiModelStrategy",
+    "RoundLoopStrategy", "SeededRosterSelector",
+]
+
+#: strategy.name -> module with ``from_config`` and ``CONFIG_SCHEMA``.
+STRATEGIES: dict[str, ModuleType] = {
     "fedavg": fedavg,
     "fedmr": fedmr,
     "fedcross": fedcross,
 }
 
+for _name, _module in STRATEGIES.items():
+    register_schema("strategy", _name, _module.CONFIG_SCHEMA, getattr(_module, "check_config", None))
+
 
 def build_strategy(cfg: Mapping[str, Any]) -> Strategy:
     """The strategy selected by ``strategy.name``."""
-    builder: Callable[[Mapping[str, Any]], Strategy] = STRATEGIES[cfg["strategy"]["name"]].from_config
-    return builder(cfg)
-
-
-def validate_strategy_config(cfg: Mapping[str, Any]) -> None:
-    """Run the selected strategy's own config checks, if it has any."""
-    module = STRATEGIES[cfg["strategy"]["name"]]
-    if hasattr(module, "validate"):
-        module.validate(cfg)
+    return STRATEGIES[cfg["strategy"]["name"]].from_config(cfg)

@@ -1,166 +1,287 @@
-"""Shared base of the multi-model strategies (FedMR, FedCross, FedMut).
+"""The round loop every method runs on: a Flower ``Strategy`` that owns ``start``.
 
-The server keeps K models for the whole run. Each round the i-th sampled node gets model i in
-its own message (the random sample is the random dispatch), replies are mapped back to the
-model they trained by the id of the message that was sent, and a subclass turns the K trained
-models into the K models of the next round (:meth:`MultiModelStrategy.update_models`).
+:class:`RoundLoopStrategy` keeps the server's models (one for FedAvg, K for FedMR / FedCross),
+selects the round's nodes with a pluggable :class:`~strategies.selection.ClientSelector`, sends
+each selected node the model of its slot in its own message, decodes and validates every reply
+(:func:`fedmm.protocol.decode_train_reply`), hands each accepted update to the method
+(:meth:`~RoundLoopStrategy.on_update`), then lets the method aggregate
+(:meth:`~RoundLoopStrategy.aggregate`). Compared with Flower's own ``Strategy.start`` it can
 
-The global model, used only for evaluation and as the run's final model, is the unweighted
-mean of the K trained models, taken before the method's update (as the authors' code does).
+- start at any round from a checkpoint (``start(..., start_round=r)`` after
+  :meth:`~RoundLoopStrategy.load_state_dict`);
+- run several ``send_and_receive`` phases inside one round (override
+  :meth:`~RoundLoopStrategy.run_round` and call :meth:`~RoundLoopStrategy.send` per phase);
+- call back after every round (``round_end``), where the runner writes checkpoints.
+
+A method reads as its difference: override :meth:`aggregate` (and, if it needs them,
+:meth:`extra_records`, :meth:`reply_extras`, :meth:`on_update`, :meth:`run_round`,
+:meth:`state_dict`). Nodes that fail, time out or send a reply that fails validation lose
+nothing: the model they were given stays where it was.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from logging import INFO
+import time
+from collections.abc import Callable, Iterable, Mapping
+from logging import INFO, WARNING
+from typing import Any
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Strategy
+from flwr.serverapp.strategy import Result, Strategy
 from flwr.supercore import log
 
-from strategies.common import (
-    ModelDict,
-    NodeSampler,
-    arrays_to_numpy,
-    check_reply,
-    evaluation_metrics,
-    evaluate_messages,
-    log_round_replies,
-    mean_models,
-    model_spec,
-    numpy_to_arrays,
-    weighted_metrics,
-)
+from fedmm import protocol
+from fedmm.protocol import ClientUpdate, ModelDict
+from strategies.selection import ClientSelector, SeededRosterSelector
+
+#: Called after every round with (round, global arrays, result so far).
+RoundEnd = Callable[[int, ArrayRecord, Result], None]
 
 
-class MultiModelStrategy(Strategy):
-    """Keep K models on the server and send a different one to each sampled node.
+class RoundLoopStrategy(Strategy):
+    """Base of every method: selection, per-node dispatch, reply checks, the round loop, state.
 
     Parameters
     ----------
-    num_models : int
-        K: models kept on the server, and clients sampled per round.
+    clients_per_round : int
+        K: nodes selected per round (and models kept, for multi-model methods).
     seed : int
-        Seeds client sampling and the method's own randomness (``self.rng``).
+        Seeds the default selector and the method's own randomness (``self.rng``).
     fraction_evaluate : float
         Share of the connected nodes that evaluate the global model each round.
-
-    Notes
-    -----
-    A node that fails, times out, or sends a reply that :func:`check_reply` rejects loses
-    nothing: the model it was given stays in the pool unchanged.
+    selector : ClientSelector, optional
+        Which nodes take part; default: :class:`SeededRosterSelector` with ``seed``.
     """
 
-    arrayrecord_key = "arrays"
-    configrecord_key = "config"
-    weighted_by_key = "num-examples"
-
-    def __init__(self, num_models: int, seed: int, fraction_evaluate: float = 0.0) -> None:
-        if num_models < 1:
-            raise ValueError(f"num_models must be >= 1, got {num_models}")
-        self.num_models = num_models
+    def __init__(
+        self,
+        clients_per_round: int,
+        seed: int,
+        fraction_evaluate: float = 0.0,
+        selector: ClientSelector | None = None,
+    ) -> None:
+        if clients_per_round < 1:
+            raise ValueError(f"clients_per_round must be >= 1, got {clients_per_round}")
+        self.clients_per_round = clients_per_round
+        self.seed = seed
         self.fraction_evaluate = fraction_evaluate
-        self.sampler = NodeSampler(seed, num_models)
+        self.selector = selector or SeededRosterSelector(seed)
         self.rng = np.random.default_rng([seed, 0x5EED])
+        #: The server's models (FedAvg: one; multi-model methods: K).
         self.models: list[ModelDict] | None = None
-        self.spec: dict | None = None
-        self._sent: dict[str, int] = {}
-        self._pending: list[Message] = []
+        #: The model evaluated and saved as the run's result.
+        self.global_model: ModelDict | None = None
+        self.spec: protocol.ArraySpec | None = None
         self.last_replies = 0
+        self._pending: list[Message] = []
 
-    # ------------------------------------------------------------------ method hook
-    def update_models(self, server_round: int, models: list[ModelDict], trained: list[int]) -> list[ModelDict]:
-        """Turn the K models after local training into the K models of the next round.
+    # ================================================================== method hooks
+    def initialize(self, initial: ModelDict) -> None:
+        """Set the models from the initial model (default: one model)."""
+        self.models = [initial]
 
-        ``models[i]`` is the model node i trained (or, for a failed node, the model it was
-        given); ``trained`` lists the indices whose training came back. The dicts belong to the
-        method: it may reuse their arrays or empty them to save memory (the global model has
-        already been taken). Override this.
+    def model_for_slot(self, slot: int) -> int:
+        """Index of the server model sent to the ``slot``-th selected node (default: model 0)."""
+        return 0
+
+    def extra_records(self, server_round: int, slot: int) -> dict[str, Any]:
+        """Further records of the train message of ``slot`` (e.g. a control variate)."""
+        return {}
+
+    def reply_extras(self, server_round: int) -> dict[str, protocol.ArraySpec]:
+        """ArrayRecords, by name, that every train reply must carry besides ``arrays``."""
+        return {}
+
+    def on_update(self, server_round: int, update: ClientUpdate) -> None:
+        """Called with each accepted client update, before :meth:`aggregate`."""
+
+    def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> ModelDict | None:
+        """Turn the round's accepted updates into the server's next models; return the global
+        model (None: unchanged). Override this."""
+        raise NotImplementedError
+
+    # ================================================================== state
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue the run exactly: models, global model, RNG, selector.
+
+        Subclasses with state of their own extend the dict (call ``super().state_dict()``).
         """
-        return models
+        return {
+            "models": self.models,
+            "global_model": self.global_model,
+            "rng": self.rng.bit_generator.state,
+            "selector": self.selector.state_dict(),
+        }
 
-    # ------------------------------------------------------------------ training
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.models = list(state["models"])
+        self.global_model = state["global_model"]
+        self.spec = protocol.array_spec(self.models[0])
+        self.rng.bit_generator.state = state["rng"]
+        self.selector.load_state_dict(state["selector"])
+
+    # ================================================================== Flower Strategy API
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """Model i of the pool to the i-th sampled node, each with its own config copy."""
+        """One train message per selected node: the model of its slot, its own config copy."""
         if self.models is None:
-            initial = arrays_to_numpy(arrays)
-            self.spec = model_spec(initial)
-            self.models = [initial] * self.num_models  # shared, never written in place
-        node_ids = self.sampler.sample(grid, server_round)
+            initial = protocol.record_to_model(arrays)
+            self.initialize(initial)
+        assert self.models is not None
+        if self.spec is None:
+            self.spec = protocol.array_spec(self.models[0])
+        node_ids = self.selector.select(grid, server_round, self.clients_per_round)
+        encoded: dict[int, ArrayRecord] = {}  # encode each server model once per round
         messages = []
-        for index, node_id in enumerate(node_ids):
-            node_config = ConfigRecord(dict(config))
-            node_config["server-round"] = server_round
-            node_config["model-index"] = index
-            content = RecordDict(
-                {self.arrayrecord_key: numpy_to_arrays(self.models[index]), self.configrecord_key: node_config}
+        for slot, node_id in enumerate(node_ids):
+            index = self.model_for_slot(slot)
+            if index not in encoded:
+                encoded[index] = protocol.model_to_record(self.models[index])
+            node_config = {**dict(config), protocol.SERVER_ROUND: server_round, protocol.MODEL_INDEX: index}
+            messages.append(
+                protocol.server_message(
+                    protocol.TRAIN, node_id, node_config, encoded[index], self.extra_records(server_round, slot)
+                )
             )
-            messages.append(Message(content=content, message_type=MessageType.TRAIN, dst_node_id=node_id))
-        # Message ids are assigned when the grid pushes the messages; keep the objects.
+        # Message ids are assigned when the grid pushes the messages: keep the objects.
         self._pending = messages
         return messages
-
-    def _model_index_by_message_id(self) -> dict[str, int]:
-        return {msg.metadata.message_id: index for index, msg in enumerate(self._pending)}
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Put each trained model back in its slot, take the mean, then apply the method."""
-        assert self.models is not None and self.spec is not None
-        index_of = self._model_index_by_message_id()
-        updated = list(self.models)
-        trained: list[int] = []
-        accepted: list[Message] = []
+        """Decode and check every reply, hand the accepted ones to the method, aggregate."""
+        assert self.spec is not None
+        slot_of = {msg.metadata.message_id: slot for slot, msg in enumerate(self._pending)}
+        extras = self.reply_extras(server_round)
+        updates: list[ClientUpdate] = []
+        seen: set[int] = set()
         rejected: list[str] = []
         for reply in replies:
-            index = index_of.get(reply.metadata.reply_to_message_id)
-            if index is None:
-                rejected.append(f"node {reply.metadata.src_node_id}: reply to an unknown message")
+            slot = slot_of.get(reply.metadata.reply_to_message_id)
+            node = reply.metadata.src_node_id
+            if slot is None:
+                rejected.append(f"node {node}: reply to an unknown message")
                 continue
-            model, reason = check_reply(reply, self.spec, consume=True)
-            if model is None:
-                rejected.append(f"node {reply.metadata.src_node_id} (model {index}): {reason}")
+            where = f"node {node} (model {self.model_for_slot(slot)})"
+            update, reason = protocol.decode_train_reply(reply, slot, self.spec, extras, consume=True)
+            if update is None:
+                rejected.append(f"{where}: {reason}")
                 continue
-            if index in trained:
-                rejected.append(f"node {reply.metadata.src_node_id} (model {index}): duplicate reply")
+            if slot in seen:
+                rejected.append(f"{where}: duplicate reply")
                 continue
-            updated[index] = model
-            trained.append(index)
-            accepted.append(reply)
+            seen.add(slot)
+            updates.append(update)
         self._pending = []
-        self.last_replies = len(trained)
-        log_round_replies(server_round, self.num_models, len(trained), rejected)
+        updates.sort(key=lambda u: u.slot)
+        self.last_replies = len(updates)
+        log(INFO, "round %d: %d/%d replies accepted", server_round, len(updates), self.clients_per_round)
+        for reason in rejected:
+            log(WARNING, "\t> rejected: %s", reason)
+        for update in updates:
+            self.on_update(server_round, update)
+        metrics = protocol.weighted_metrics(u.metrics for u in updates) if updates else {}
+        metrics["replies"] = float(len(updates))
+        global_model = self.aggregate(server_round, updates)
+        if global_model is not None:
+            self.global_model = global_model
+        arrays = None if global_model is None else protocol.model_to_record(global_model)
+        return arrays, MetricRecord(metrics)
 
-        global_model = mean_models(updated)
-        self.models = self.update_models(server_round, updated, sorted(trained))
-        if len(self.models) != self.num_models:
-            raise RuntimeError(f"{type(self).__name__}.update_models returned {len(self.models)} models, expected {self.num_models}")
-        metrics = weighted_metrics(accepted, self.weighted_by_key)
-        metrics["replies"] = float(len(trained))
-        return numpy_to_arrays(global_model), MetricRecord(metrics)
-
-    # ------------------------------------------------------------------ evaluation
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """Federated evaluation of the global model on ``fraction_evaluate`` of the nodes."""
-        return evaluate_messages(self.sampler, grid, server_round, self.fraction_evaluate, arrays, config)
+        """Federated evaluation of the global model on a seeded ``fraction_evaluate`` of the nodes."""
+        if self.fraction_evaluate <= 0.0:
+            return []
+        num_nodes = len(list(grid.get_node_ids()))
+        size = max(1, min(num_nodes, int(num_nodes * self.fraction_evaluate)))
+        node_config = {**dict(config), protocol.SERVER_ROUND: server_round}
+        node_ids = self.selector.select(grid, server_round, size, stream=1)
+        return [protocol.server_message(protocol.EVALUATE, n, node_config, arrays) for n in node_ids]
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        """Example-weighted mean of the clients' evaluation metrics."""
-        return evaluation_metrics(replies, self.weighted_by_key)
+        """Example-weighted mean of the metrics of the evaluate replies that carry no error."""
+        valid = [protocol.reply_metrics(r) for r in replies if not r.has_error()]
+        return MetricRecord(protocol.weighted_metrics(valid)) if valid else None
 
-    # ------------------------------------------------------------------ misc
     def summary(self) -> None:
         """Log the strategy's settings."""
-        log(INFO, "\t├──> %s keeps K=%d models", type(self).__name__, self.num_models)
+        log(INFO, "\t├──> %s: %d clients per round, %s", type(self).__name__, self.clients_per_round, type(self.selector).__name__)
         log(INFO, "\t└──> federated evaluation fraction: %.2f", self.fraction_evaluate)
 
-    def pool(self) -> Sequence[ModelDict]:
-        """The K models currently kept (for checkpoints)."""
-        return list(self.models or [])
+    # ================================================================== the loop
+    def send(self, grid: Grid, messages: list[Message], timeout: float) -> list[Message]:
+        """One phase: push ``messages``, wait for the replies (nothing is sent for no message)."""
+        if not messages:
+            return []
+        return list(grid.send_and_receive(messages, timeout=timeout))
+
+    def run_round(
+        self, server_round: int, grid: Grid, arrays: ArrayRecord, config: ConfigRecord, timeout: float
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """The training part of one round. One phase by default; a method with several phases
+        overrides this and calls :meth:`send` once per phase."""
+        messages = list(self.configure_train(server_round, arrays, config, grid))
+        return self.aggregate_train(server_round, self.send(grid, messages, timeout))
+
+    def start(  # noqa: PLR0913 - Flower's signature plus resume
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+        *,
+        start_round: int = 1,
+        round_end: RoundEnd | None = None,
+    ) -> Result:
+        """Run rounds ``start_round`` .. ``num_rounds``.
+
+        With ``start_round > 1`` the strategy continues from its current state (restored with
+        :meth:`load_state_dict`): no initial evaluation, ``initial_arrays`` is ignored.
+        """
+        log(INFO, "Starting %s strategy (rounds %d..%d):", type(self).__name__, start_round, num_rounds)
+        self.summary()
+        train_config = ConfigRecord() if train_config is None else train_config
+        evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
+        result = Result()
+        t_start = time.time()
+        if start_round <= 1:
+            arrays = initial_arrays
+            if evaluate_fn:
+                res = evaluate_fn(0, arrays)
+                if res is not None:
+                    result.evaluate_metrics_serverapp[0] = res
+        else:
+            if self.models is None or self.global_model is None:
+                raise RuntimeError(f"start_round={start_round} needs the strategy's state: call load_state_dict first")
+            arrays = protocol.model_to_record(self.global_model)
+            result.arrays = arrays
+        for current_round in range(max(1, start_round), num_rounds + 1):
+            log(INFO, "[ROUND %s/%s]", current_round, num_rounds)
+            agg_arrays, train_metrics = self.run_round(current_round, grid, arrays, train_config, timeout)
+            if agg_arrays is not None:
+                result.arrays = arrays = agg_arrays
+            if train_metrics is not None:
+                result.train_metrics_clientapp[current_round] = train_metrics
+            eval_replies = self.send(grid, list(self.configure_evaluate(current_round, arrays, evaluate_config, grid)), timeout)
+            if eval_replies:
+                eval_metrics = self.aggregate_evaluate(current_round, eval_replies)
+                if eval_metrics is not None:
+                    result.evaluate_metrics_clientapp[current_round] = eval_metrics
+            if evaluate_fn:
+                res = evaluate_fn(current_round, arrays)
+                if res is not None:
+                    result.evaluate_metrics_serverapp[current_round] = res
+            if round_end:
+                round_end(current_round, arrays, result)
+        log(INFO, "Strategy execution finished in %.2fs", time.time() - t_start)
+        return result

@@ -17,9 +17,11 @@ from typing import Any
 
 from flwr.supercore import log
 
-from fedmm.errors import ConfigError
-from strategies.base import MultiModelStrategy
-from strategies.common import ModelDict, mean_models
+from fedmm.config import Choice, Int, Number
+from fedmm.protocol import ModelDict
+from strategies.aggregation import mean_models
+from strategies.multimodel import MultiModelStrategy
+from strategies.selection import ClientSelector
 from strategies.cross_aggregation import (
     SELECTIONS,
     SIMILARITIES,
@@ -30,14 +32,27 @@ from strategies.cross_aggregation import (
     propellers,
 )
 
+#: Keys of the ``strategy`` config group of FedCross (defaults in conf/strategy/fedcross.yaml).
+CONFIG_SCHEMA = {
+    "fraction_evaluate": Number(ge=0.0, le=1.0),
+    "alpha": Number(ge=0, le=1),
+    "selection": Choice(*SELECTIONS),
+    "similarity": Choice(*SIMILARITIES),
+    "first_stage_rounds": Int(min=0),
+    "propeller_rounds": Int(min=0),
+    "num_propellers": Int(min=1),
+    "propeller_alpha": Number(ge=0, le=1),
+    "dynamic_alpha_rounds": Int(min=0),
+}
+
 
 class FedCross(MultiModelStrategy):
     """FedCross on the multi-model base: only :meth:`update_models` differs.
 
     Parameters
     ----------
-    num_models, seed, fraction_evaluate
-        See :class:`MultiModelStrategy`.
+    num_models, seed, fraction_evaluate, selector
+        See :class:`~strategies.multimodel.MultiModelStrategy`.
     alpha : float
         Fusion weight of the model itself (paper: 0.99).
     selection : str
@@ -68,8 +83,9 @@ class FedCross(MultiModelStrategy):
         num_propellers: int = 2,
         propeller_alpha: float = 0.5,
         dynamic_alpha_rounds: int = 0,
+        selector: ClientSelector | None = None,
     ) -> None:
-        super().__init__(num_models, seed, fraction_evaluate)
+        super().__init__(num_models, seed, fraction_evaluate, selector)
         self.alpha = alpha
         self.selection = selection
         self.similarity = similarity
@@ -98,6 +114,15 @@ class FedCross(MultiModelStrategy):
         # the trained models are not needed afterwards: cross_aggregate releases them key by key
         return cross_aggregate(models, partners, self.last_alpha, consume=True)
 
+    def state_dict(self) -> dict:
+        """The base state plus the α of the last fusion."""
+        return {**super().state_dict(), "last_alpha": self.last_alpha}
+
+    def load_state_dict(self, state) -> None:  # noqa: ANN001 - see the base
+        """Restore :meth:`state_dict`."""
+        super().load_state_dict(state)
+        self.last_alpha = state.get("last_alpha")
+
     def summary(self) -> None:
         """Log the strategy's settings."""
         super().summary()
@@ -112,35 +137,6 @@ class FedCross(MultiModelStrategy):
             self.num_propellers,
             self.dynamic_alpha_rounds,
         )
-
-
-def _nonneg_int(s: Mapping[str, Any], key: str) -> int:
-    value = s.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ConfigError(f"strategy.{key}", value, "an integer >= 0")
-    return value
-
-
-def _unit(s: Mapping[str, Any], key: str) -> float:
-    value = s.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-        raise ConfigError(f"strategy.{key}", value, "a number in [0, 1]")
-    return float(value)
-
-
-def validate(cfg: Mapping[str, Any]) -> None:
-    """Check the ``strategy`` group of a FedCross run."""
-    s = cfg["strategy"]
-    _unit(s, "alpha")
-    _unit(s, "propeller_alpha")
-    if s.get("selection") not in SELECTIONS:
-        raise ConfigError("strategy.selection", s.get("selection"), ", ".join(SELECTIONS))
-    if s.get("similarity") not in SIMILARITIES:
-        raise ConfigError("strategy.similarity", s.get("similarity"), ", ".join(SIMILARITIES))
-    for key in ("first_stage_rounds", "propeller_rounds", "dynamic_alpha_rounds"):
-        _nonneg_int(s, key)
-    if _nonneg_int(s, "num_propellers") < 1:
-        raise ConfigError("strategy.num_propellers", s.get("num_propellers"), "an integer >= 1")
 
 
 def from_config(cfg: Mapping[str, Any]) -> FedCross:

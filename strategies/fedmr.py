@@ -13,10 +13,20 @@ from typing import Any
 
 from flwr.supercore import log
 
-from fedmm.errors import ConfigError
-from strategies.base import MultiModelStrategy
-from strategies.common import ModelDict, mean_models
+from fedmm.config import Choice, Int, Nullable, Number
+from fedmm.protocol import ModelDict
+from strategies.aggregation import mean_models
+from strategies.multimodel import MultiModelStrategy
 from strategies.recombination import GRANULARITIES, recombine, segments_for_ratio
+from strategies.selection import ClientSelector
+
+#: Keys of the ``strategy`` config group of FedMR (defaults in conf/strategy/fedmr.yaml).
+CONFIG_SCHEMA = {
+    "fraction_evaluate": Number(ge=0.0, le=1.0),
+    "first_stage_rounds": Int(min=0),
+    "granularity": Choice(*GRANULARITIES),
+    "partition_ratio": Nullable(Number(gt=0, le=1), "null (layer-wise) or a number in (0, 1]; 1.0 = Indep"),
+}
 
 
 class FedMR(MultiModelStrategy):
@@ -24,8 +34,8 @@ class FedMR(MultiModelStrategy):
 
     Parameters
     ----------
-    num_models, seed, fraction_evaluate
-        See :class:`MultiModelStrategy`.
+    num_models, seed, fraction_evaluate, selector
+        See :class:`~strategies.multimodel.MultiModelStrategy`.
     first_stage_rounds : int
         Rounds of plain aggregation before recombination starts (two-stage training).
     granularity : str
@@ -43,8 +53,9 @@ class FedMR(MultiModelStrategy):
         first_stage_rounds: int = 0,
         granularity: str = "tensor",
         partition_ratio: float | None = None,
+        selector: ClientSelector | None = None,
     ) -> None:
-        super().__init__(num_models, seed, fraction_evaluate)
+        super().__init__(num_models, seed, fraction_evaluate, selector)
         self.first_stage_rounds = first_stage_rounds
         self.granularity = granularity
         self.segments = segments_for_ratio(partition_ratio)
@@ -66,19 +77,6 @@ class FedMR(MultiModelStrategy):
             self.granularity,
             self.segments,
         )
-
-
-def validate(cfg: Mapping[str, Any]) -> None:
-    """Check the ``strategy`` group of a FedMR run."""
-    s = cfg["strategy"]
-    frs = s.get("first_stage_rounds")
-    if not isinstance(frs, int) or isinstance(frs, bool) or frs < 0:
-        raise ConfigError("strategy.first_stage_rounds", frs, "an integer >= 0")
-    if s.get("granularity") not in GRANULARITIES:
-        raise ConfigError("strategy.granularity", s.get("granularity"), ", ".join(GRANULARITIES))
-    ratio = s.get("partition_ratio", "missing")
-    if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1):
-        raise ConfigError("strategy.partition_ratio", ratio, "null (layer-wise) or a number in (0, 1]; 1.0 = Indep")
 
 
 def from_config(cfg: Mapping[str, Any]) -> FedMR:

@@ -10,6 +10,10 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 import pytest  # noqa: E402
 
+# The packages that register the schemas of their config groups (as the entry points do).
+import client_app.local_update  # noqa: E402, F401
+import strategies  # noqa: E402, F401
+
 
 @pytest.fixture(autouse=True)
 def flower_task_identity():

@@ -53,7 +53,7 @@ class RecordingGrid:
 
 
 def recording_server_app(cfg: dict, log: list, out: dict) -> ServerApp:
-    from fedmm.experiment import run_experiment
+    from server_app.runner import run_experiment
 
     app = ServerApp()
 

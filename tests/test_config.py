@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fedmm.config import compose, compose_from_run_config, group_options, overrides_from_run_config
+from fedmm.config import compose, compose_from_run_config, group_options, overrides_from_run_config, to_container
 from fedmm.errors import ConfigError
 
 
@@ -22,9 +22,9 @@ def test_run_config_becomes_hydra_overrides() -> None:
     run_config = {"strategy": "fedmr", "num_rounds": 7, "seed": "", "overrides": "partition.alpha=0.1 training.lr=0.05"}
     assert overrides_from_run_config(run_config) == ["strategy=fedmr", "num_rounds=7", "partition.alpha=0.1", "training.lr=0.05"]
     cfg = compose_from_run_config(run_config)
-    assert cfg.strategy.name == "fedmr" and cfg.num_rounds == 7
-    assert cfg.partition.alpha == 0.1 and cfg.training.lr == 0.05
-    assert cfg.seed == 0  # empty value keeps the default
+    assert cfg["strategy"]["name"] == "fedmr" and cfg["num_rounds"] == 7
+    assert cfg["partition"]["alpha"] == 0.1 and cfg["training"]["lr"] == 0.05
+    assert cfg["seed"] == 0  # empty value keeps the default
 
 
 @pytest.mark.parametrize(
@@ -52,6 +52,14 @@ def test_run_config_becomes_hydra_overrides() -> None:
         (["+nonexistent_key=1"], "nonexistent_key", "top-level keys"),
         (["num_rounds=abc"], "num_rounds", ">= 1"),
         (["training.nonexistent=1"], "overrides", "valid hydra overrides"),
+        (["+training.lrr=0.1"], "training.lrr", "did you mean training.lr?"),
+        (["+strategy.alpah=0.5", "strategy=fedcross"], "strategy.alpah", "did you mean strategy.alpha?"),
+        (["+objective.muu=0.1", "objective=fedprox"], "objective.muu", "did you mean objective.mu?"),
+        (["+partition.alfa=0.1"], "partition.alfa", "did you mean partition.alpha?"),
+        (["+dataset.num_class=3"], "dataset.num_class", "did you mean dataset.num_classes?"),
+        (["objective=fedrl", "objective.advance=epoch"], "objective.advance", "batch, round"),
+        (["objective=fedprox", "objective.mu=-1"], "objective.mu", ">= 0"),
+        (["checkpoint_every=-1"], "checkpoint_every", ">= 0"),
     ],
 )
 def test_wrong_values_name_the_key_and_the_allowed_values(overrides, key, allowed) -> None:
@@ -67,3 +75,29 @@ def test_unknown_group_option_lists_all_options() -> None:
         compose(["model=resnet"])
     for option in group_options("model"):
         assert option in str(info.value)
+
+
+def test_validation_is_one_pass_over_registered_schemas() -> None:
+    from fedmm.config import registered_names
+
+    assert {"fedavg", "fedmr", "fedcross"} <= set(registered_names("strategy"))
+    assert {"ce", "fedprox", "fedrl"} <= set(registered_names("objective"))
+    assert set(registered_names("model")) >= {"cnn", "lenet", "resnet20", "resnet20-preact", "vgg16"}
+
+
+def test_resume_config_continues_the_run_and_allows_only_safe_changes(tmp_path) -> None:
+    import yaml
+
+    from fedmm.config import resume_config
+
+    cfg = to_container(compose(["strategy=fedmr", "num_rounds=3"]))
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
+    resumed = resume_config(tmp_path, ["num_rounds=6"])
+    assert resumed["num_rounds"] == 6 and resumed["strategy"]["name"] == "fedmr"
+    assert resumed["resume"] == str(tmp_path.resolve()) == resumed["output_dir"]
+    with pytest.raises(ConfigError) as info:
+        resume_config(tmp_path, ["partition.alpha=0.1"])
+    assert info.value.key == "partition.alpha" and "no change when resuming" in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        resume_config(tmp_path / "missing")
+    assert info.value.key == "resume"

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flwr.app import ConfigRecord, MetricRecord, RecordDict
 
-from strategies.common import arrays_to_numpy, numpy_to_arrays
+from fedmm.protocol import model_to_record, record_to_model
 from strategies.cross_aggregation import (
     collaborative_models,
     cross_aggregate,
@@ -117,25 +117,25 @@ def test_propellers_are_in_order_partners() -> None:
 
 
 def node(msg, key):
-    model = arrays_to_numpy(msg.content["arrays"])
+    model = record_to_model(msg.content["arrays"])
     shift = int(key.split(":")[1]) + 1
     if key.endswith("2"):
         raise RuntimeError("node crashed")
-    return RecordDict({"arrays": numpy_to_arrays({k: v + shift for k, v in model.items()}), "metrics": MetricRecord({"num-examples": 1.0})})
+    return RecordDict({"arrays": model_to_record({k: v + shift for k, v in model.items()}), "metrics": MetricRecord({"num-examples": 1.0})})
 
 
 def test_fedcross_strategy_round_with_a_failing_client() -> None:
     k = 4
     strategy = FedCross(num_models=k, seed=0, alpha=0.9, selection="in-order")
     grid = FakeGrid(node, num_nodes=k)
-    init = numpy_to_arrays({"w": np.zeros(3, np.float32)})
+    init = model_to_record({"w": np.zeros(3, np.float32)})
     msgs = list(strategy.configure_train(1, init, ConfigRecord(), grid))
     keys = [grid.keys[m.metadata.dst_node_id] for m in msgs]
     global_arrays, metrics = strategy.aggregate_train(1, grid.send_and_receive(msgs))
     assert metrics["replies"] == k - 1 and len(strategy.models) == k
     trained = [np.zeros(3) if key.endswith("2") else np.full(3, int(key.split(":")[1]) + 1.0) for key in keys]
     # global: unweighted mean before cross-aggregation
-    np.testing.assert_allclose(arrays_to_numpy(global_arrays)["w"], np.mean(trained, axis=0), rtol=1e-6)
+    np.testing.assert_allclose(record_to_model(global_arrays)["w"], np.mean(trained, axis=0), rtol=1e-6)
     partners = collaborative_models(None, "in-order", 1, k)
     for j in range(k):
         np.testing.assert_allclose(strategy.models[j]["w"], 0.9 * trained[j] + 0.1 * trained[partners[j]], rtol=1e-6)

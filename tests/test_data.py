@@ -11,10 +11,13 @@ import torch
 import yaml
 
 from fedmm import data as D
+from fedmm.data import partition as P
+from fedmm.data import sources as S
+from fedmm.data import spec as SP
 from fedmm.errors import ConfigError
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
-DATASET_KEYS = set(D._DATASET_KEYS)
+DATASET_KEYS = set(SP._DATASET_KEYS)
 
 
 @pytest.fixture(autouse=True)
@@ -98,7 +101,7 @@ def test_mnist5k_loads_with_a_fixed_stratified_test_split(mnist5k):
     assert np.bincount(test.y.numpy()).tolist() == [100] * 10  # stratified
     assert int(train.x.max()) > 200  # raw 0..255 pixels, not rescaled
 
-    D._load_dataset_cached.cache_clear()  # a genuinely fresh load gives the same split
+    S._load_dataset_cached.cache_clear()  # a genuinely fresh load gives the same split
     train2, test2 = D.load_dataset(dataset_cfg("mnist5k"))
     assert torch.equal(test.x, test2.x) and torch.equal(test.y, test2.y)
     assert torch.equal(train.x, train2.x)
@@ -148,27 +151,27 @@ def test_dirichlet_skew_grows_as_alpha_shrinks(mnist5k):
 def test_partitions_depend_only_on_the_seed(mnist5k, name):
     train = mnist5k[0]
     first = D.partition_indices(train, partition_cfg(name), 8, seed=5)
-    D._partition_cached.cache_clear()  # recompute rather than hit the cache
+    P._partition_cached.cache_clear(); P._partitions.cache_clear()  # recompute rather than hit the cache
     again = D.partition_indices(train, partition_cfg(name), 8, seed=5)
     other = D.partition_indices(train, partition_cfg(name), 8, seed=6)
     assert all(np.array_equal(a, b) for a, b in zip(first, again))
     assert not all(np.array_equal(a, b) for a, b in zip(first, other))
 
 
-def make_writers(counts: list[int], seed: int = 0) -> D.ImageData:
+def make_writers(counts: list[int], seed: int = 0) -> D.TensorData:
     """Tiny data set whose rows belong to writers w00, w01, ... (shuffled rows)."""
     rng = np.random.default_rng(seed)
     ids = np.repeat([f"w{i:02d}" for i in range(len(counts))], counts)
     ids = ids[rng.permutation(len(ids))]
     n = len(ids)
-    return D.ImageData(
+    return D.TensorData(
         x=torch.zeros(n, 1, 4, 4, dtype=torch.uint8),
         y=torch.from_numpy(rng.integers(0, 3, n)),
         ids=ids,
     )
 
 
-def assert_one_whole_id_per_partition(data: D.ImageData, parts: list[np.ndarray]) -> list[str]:
+def assert_one_whole_id_per_partition(data: D.TensorData, parts: list[np.ndarray]) -> list[str]:
     seen = []
     for part in parts:
         owners = set(data.ids[part].tolist())
@@ -193,7 +196,7 @@ def test_natural_filters_small_ids_and_samples_a_seeded_subset():
     big = {f"w{i:02d}" for i, c in enumerate(counts) if c > 3}
     chosen = assert_one_whole_id_per_partition(data, D.partition_indices(data, cfg, 4, seed=1))
     assert set(chosen) <= big and len(chosen) == 4
-    D._partition_cached.cache_clear()
+    P._partition_cached.cache_clear(); P._partitions.cache_clear()
     again = assert_one_whole_id_per_partition(data, D.partition_indices(data, cfg, 4, seed=1))
     assert again == chosen
     subsets = {
@@ -327,7 +330,7 @@ def test_save_to_disk_single_split_with_ids_holds_out_a_test_set(tmp_path):
     assert train.x.shape[1:] == (1, 28, 28)
     assert train.ids is not None and set(train.ids.tolist()) == {"a", "b", "c", "d"}
     # The hold-out uses a fixed seed: a fresh load gives the same test rows.
-    D._load_dataset_cached.cache_clear()
+    S._load_dataset_cached.cache_clear()
     assert torch.equal(D.load_dataset(cfg)[1].x, test.x)
 
     parts = D.partition_indices(train, partition_cfg("natural"), 4, seed=0)
@@ -408,15 +411,15 @@ def test_plot_label_histograms_writes_a_png(tmp_path):
 # ---------------------------------------------------------------------- minibatches
 
 
-def small_data(n: int = 23, channels: int = 3) -> D.ImageData:
+def small_data(n: int = 23, channels: int = 3) -> D.TensorData:
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 256, (n, channels, 4, 4), generator=g, dtype=torch.uint8)
-    return D.ImageData(x=x, y=torch.arange(n, dtype=torch.int64))  # label = row number
+    return D.TensorData(x=x, y=torch.arange(n, dtype=torch.int64), transform=D.ImageNormalize([0.5] * channels, [0.5] * channels))  # label = row number
 
 
 def test_batches_cover_every_sample_once_per_epoch():
     data = small_data()
-    kwargs = dict(mean=[0.5] * 3, std=[0.5] * 3)
+    kwargs: dict = {}
     g = torch.Generator().manual_seed(7)
     seen = [yb for _, yb in D.batches(data, 5, shuffle=True, generator=g, **kwargs)]
     assert [len(b) for b in seen] == [5, 5, 5, 5, 3]
@@ -430,35 +433,68 @@ def test_batches_cover_every_sample_once_per_epoch():
 
 
 def test_batches_normalise_per_channel():
-    data = small_data(n=10)
     mean, std = [0.1, 0.5, 0.9], [0.2, 0.3, 0.4]
-    got = torch.cat([xb for xb, _ in D.batches(data, 4, shuffle=False, generator=None, mean=mean, std=std)])
+    raw = small_data(n=10)
+    data = D.TensorData(x=raw.x, y=raw.y, transform=D.ImageNormalize(mean, std))
+    got = torch.cat([xb for xb, _ in D.batches(data, 4, shuffle=False, generator=None)])
     want = (data.x.float() / 255 - torch.tensor(mean).view(1, 3, 1, 1)) / torch.tensor(std).view(1, 3, 1, 1)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     # Shuffled batches carry matching images and labels.
     g = torch.Generator().manual_seed(1)
-    for xb, yb in D.batches(data, 3, shuffle=True, generator=g, mean=mean, std=std):
+    for xb, yb in D.batches(data, 3, shuffle=True, generator=g):
         torch.testing.assert_close(xb, want[yb], atol=1e-5, rtol=1e-5)
 
 
-def test_fast_partition_paths_equal_flower_datasets_per_partition_loading() -> None:
-    """The shortcuts (partitioner index maps, array_split for iid) give flwr-datasets' partitions."""
+def test_partitions_equal_flower_datasets_per_partition_loading() -> None:
+    """The app's partitions are flwr-datasets' (public load_partition), and the array_split
+    shortcut of large IID federations gives IidPartitioner's shards."""
     import datasets as hfds
     from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner
 
-    from fedmm import data as data_mod
-
     labels = np.random.default_rng(0).integers(0, 10, size=3000)
-    ds = hfds.Dataset.from_dict({"label": labels, "idx": np.arange(len(labels))})
-    fast = data_mod._partition_rows(DirichletPartitioner(30, "label", 0.3, 5, seed=4), ds, 30)
+    train = D.TensorData(x=torch.zeros((3000, 1, 2, 2), dtype=torch.uint8), y=torch.from_numpy(labels),
+                         transform=D.ImageNormalize([0.5], [0.5]))
+    ours = D.partition_indices(train, {"name": "dirichlet", "alpha": 0.3, "min_partition_size": 5, "self_balancing": False}, 30, 4)
     slow_p = DirichletPartitioner(30, "label", 0.3, 5, seed=4)
-    slow_p.dataset = ds
-    slow = [np.asarray(slow_p.load_partition(i)["idx"]) for i in range(30)]
-    assert all(np.array_equal(a, b) for a, b in zip(fast, slow))
+    slow_p.dataset = hfds.Dataset.from_dict({"label": labels, "idx": np.arange(len(labels))})
+    slow = [np.sort(np.asarray(slow_p.load_partition(i)["idx"])) for i in range(30)]
+    assert all(np.array_equal(a, b) for a, b in zip(ours, slow))
 
     order = np.random.default_rng(1).permutation(len(labels))
     iid_p = IidPartitioner(num_partitions=70)
     iid_p.dataset = hfds.Dataset.from_dict({"label": labels[order], "idx": order})
     flower = [np.asarray(iid_p.load_partition(i)["idx"]) for i in range(70)]
     assert all(np.array_equal(a, b) for a, b in zip(np.array_split(order, 70), flower))
+
+
+def test_token_data_batches_untouched_with_the_identity_transform():
+    """The same container and batching serve token sequences (int64 [N, T]) for text tasks."""
+    x = torch.arange(40, dtype=torch.int64).view(10, 4)
+    data = D.TensorData(x=x, y=torch.arange(10, dtype=torch.int64))
+    assert isinstance(data.transform, D.Identity)
+    got = list(D.batches(data, 4, shuffle=True, generator=torch.Generator().manual_seed(0)))
+    assert [len(yb) for _, yb in got] == [4, 4, 2]
+    for xb, yb in got:
+        assert xb.dtype == torch.int64 and torch.equal(xb, x[yb])  # values untouched, rows matched
+    assert sorted(torch.cat([yb for _, yb in got]).tolist()) == list(range(10))
+    assert len(data.subset(np.array([1, 3]))) == 2 and isinstance(data.subset(np.array([1])).transform, D.Identity)
+
+
+def test_input_spec_from_the_config_alone():
+    from fedmm.config import compose, to_container
+
+    mnist = D.input_spec(to_container(compose([]))["dataset"])
+    assert (mnist.kind, mnist.num_classes, mnist.shape) == ("image", 10, (1, 28, 28))
+    cifar = D.input_spec(to_container(compose(["dataset=cifar10"]))["dataset"])
+    assert (cifar.in_channels, cifar.image_size, cifar.num_classes) == (3, 32, 10)
+
+
+def test_mnist5k_first_batch_is_the_old_formula_in_the_same_order(mnist5k):
+    train, _ = mnist5k
+    n = len(train)
+    first_x, first_y = next(D.batches(train, 50, shuffle=True, generator=torch.Generator().manual_seed(0)))
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(0))[:50]
+    assert torch.equal(first_y, train.y[order])
+    want = (train.x[order].float() / 255 - 0.1307) / 0.3081
+    torch.testing.assert_close(first_x, want, atol=1e-5, rtol=1e-5)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
-from strategies.common import arrays_to_numpy, numpy_to_arrays
+from fedmm.protocol import model_to_record, record_to_model
 from strategies.fedavg import FedAvg
 from tests.fakes import FakeGrid
 
@@ -16,11 +16,11 @@ NODE_N = {f"partition:{i:09d}": float(10 * (i + 1)) for i in range(4)}
 
 def node(msg, key):
     model = {"w": NODE_W[key], "steps": np.array(3, dtype=np.int64)}
-    return RecordDict({"arrays": numpy_to_arrays(model), "metrics": MetricRecord({"num-examples": NODE_N[key], "train_loss": NODE_N[key] / 10})})
+    return RecordDict({"arrays": model_to_record(model), "metrics": MetricRecord({"num-examples": NODE_N[key], "train_loss": NODE_N[key] / 10})})
 
 
 def initial():
-    return numpy_to_arrays({"w": np.zeros((2, 2), np.float32), "steps": np.array(0, dtype=np.int64)})
+    return model_to_record({"w": np.zeros((2, 2), np.float32), "steps": np.array(0, dtype=np.int64)})
 
 
 def test_aggregate_equals_weighted_mean_by_hand() -> None:
@@ -28,7 +28,7 @@ def test_aggregate_equals_weighted_mean_by_hand() -> None:
     strategy = FedAvg(clients_per_round=4, seed=0)
     messages = strategy.configure_train(1, initial(), ConfigRecord(), grid)
     arrays, metrics = strategy.aggregate_train(1, grid.send_and_receive(messages))
-    out = arrays_to_numpy(arrays)
+    out = record_to_model(arrays)
     # (1*10 + 2*20 + 3*30 + 4*40) / (10+20+30+40) = 300 / 100 = 3.0
     np.testing.assert_allclose(out["w"], np.full((2, 2), 3.0), rtol=1e-6)
     assert out["w"].dtype == np.float32
@@ -39,7 +39,7 @@ def test_aggregate_equals_weighted_mean_by_hand() -> None:
 def test_malformed_replies_are_dropped_not_fatal() -> None:
     def bad_node(msg, key):
         if key.endswith("0"):
-            return RecordDict({"arrays": numpy_to_arrays({"w": np.full((2, 2), np.nan, np.float32), "steps": np.array(1)}),
+            return RecordDict({"arrays": model_to_record({"w": np.full((2, 2), np.nan, np.float32), "steps": np.array(1)}),
                                "metrics": MetricRecord({"num-examples": 1.0})})
         if key.endswith("1"):
             raise RuntimeError("out of memory")
@@ -49,7 +49,7 @@ def test_malformed_replies_are_dropped_not_fatal() -> None:
     strategy = FedAvg(clients_per_round=4, seed=0)
     arrays, _ = strategy.aggregate_train(1, grid.send_and_receive(strategy.configure_train(1, initial(), ConfigRecord(), grid)))
     # only partitions 2 and 3 count: (3*30 + 4*40) / 70
-    np.testing.assert_allclose(arrays_to_numpy(arrays)["w"], np.full((2, 2), 250 / 70), rtol=1e-6)
+    np.testing.assert_allclose(record_to_model(arrays)["w"], np.full((2, 2), 250 / 70), rtol=1e-6)
 
 
 def test_sampling_is_reproducible_across_node_id_assignments() -> None:
@@ -73,24 +73,24 @@ def test_aggregate_matches_flowers_aggregate_arrayrecords() -> None:
 
     rng = np.random.default_rng(0)
     contents = [
-        RecordDict({"arrays": numpy_to_arrays({"w": rng.standard_normal((3, 4)).astype(np.float32)}),
+        RecordDict({"arrays": model_to_record({"w": rng.standard_normal((3, 4)).astype(np.float32)}),
                     "metrics": MetricRecord({"num-examples": float(n)})})
         for n in (5, 17, 40)
     ]
-    expected = arrays_to_numpy(aggregate_arrayrecords(contents, "num-examples"))["w"]
+    expected = record_to_model(aggregate_arrayrecords(contents, "num-examples"))["w"]
 
     def node(msg, key):
         return contents[int(key.split(":")[1])]
 
     grid = FakeGrid(node, num_nodes=3)
     strategy = FedAvg(clients_per_round=3, seed=0)
-    init = numpy_to_arrays({"w": np.zeros((3, 4), np.float32)})
+    init = model_to_record({"w": np.zeros((3, 4), np.float32)})
     arrays, _ = strategy.aggregate_train(1, grid.send_and_receive(strategy.configure_train(1, init, ConfigRecord(), grid)))
-    np.testing.assert_allclose(arrays_to_numpy(arrays)["w"], expected, rtol=1e-6)
+    np.testing.assert_allclose(record_to_model(arrays)["w"], expected, rtol=1e-6)
 
 
 def test_federation_size_waits_until_registration_settles() -> None:
-    from fedmm.experiment import federation_size
+    from server_app.runner import federation_size
 
     class GrowingGrid:
         def __init__(self):

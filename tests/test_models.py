@@ -11,6 +11,7 @@ from torch import nn
 from torchvision.models.resnet import BasicBlock
 
 from fedmm.errors import ConfigError
+from fedmm.data import InputSpec
 from fedmm.models import MODEL_NAMES, LayeredModel, PreActBottleneck, build_model
 
 MNIST = (1, 28, 10)  # (in_channels, image_size, num_classes)
@@ -23,8 +24,11 @@ EXPECTED_NUM_LAYERS = {"cnn": 4, "lenet": 5, "resnet20": 5, "resnet20-preact": 5
 def _build(name: str, shape: tuple[int, int, int], seed: int = 0) -> LayeredModel:
     in_channels, image_size, num_classes = shape
     torch.manual_seed(seed)
-    return build_model(name, in_channels=in_channels, num_classes=num_classes,
-                       image_size=image_size)
+    return build_model(name, image(in_channels, num_classes, image_size))
+
+
+def image(in_channels: object, num_classes: object, image_size: object) -> InputSpec:
+    return InputSpec(kind="image", num_classes=num_classes, shape=(in_channels, image_size, image_size))  # type: ignore[arg-type]
 
 
 def _batch(shape: tuple[int, int, int], batch: int = 2) -> torch.Tensor:
@@ -164,7 +168,7 @@ def test_backward(name: str) -> None:
 
 def test_unknown_name() -> None:
     with pytest.raises(ConfigError) as excinfo:
-        build_model("resnet18", in_channels=3, num_classes=10, image_size=32)
+        build_model("resnet18", image(3, 10, 32))
     msg = str(excinfo.value)
     assert "model.name" in msg and "resnet18" in msg
     for name in MODEL_NAMES:
@@ -175,7 +179,7 @@ def test_unknown_name() -> None:
 
 def test_vgg16_rejects_small_images() -> None:
     with pytest.raises(ConfigError, match="dataset.image_size") as excinfo:
-        build_model("vgg16", in_channels=1, num_classes=10, image_size=28)
+        build_model("vgg16", image(1, 10, 28))
     assert excinfo.value.value == 28
 
 
@@ -191,7 +195,7 @@ def test_vgg16_larger_images_use_global_pool() -> None:
 @pytest.mark.parametrize(("name", "too_small", "smallest_ok"), [("cnn", 3, 4), ("lenet", 15, 16)])
 def test_small_images(name: str, too_small: int, smallest_ok: int) -> None:
     with pytest.raises(ConfigError, match="dataset.image_size"):
-        build_model(name, in_channels=1, num_classes=10, image_size=too_small)
+        build_model(name, image(1, 10, too_small))
     model = _build(name, (1, smallest_ok, 10)).eval()
     with torch.no_grad():
         assert model(_batch((1, smallest_ok, 10))).shape == (2, 10)
@@ -209,7 +213,13 @@ def test_small_images(name: str, too_small: int, smallest_ok: int) -> None:
 def test_invalid_shape_arguments(kwargs: dict[str, object], key: str) -> None:
     args: dict[str, object] = {"in_channels": 3, "num_classes": 10, "image_size": 32, **kwargs}
     with pytest.raises(ConfigError, match=key):
-        build_model("lenet", **args)  # type: ignore[arg-type]
+        build_model("lenet", image(args["in_channels"], args["num_classes"], args["image_size"]))
+
+
+def test_an_image_model_refuses_token_inputs() -> None:
+    with pytest.raises(ConfigError) as info:
+        build_model("cnn", InputSpec(kind="tokens", num_classes=80, shape=(80,), vocab_size=80))
+    assert info.value.key == "model.name" and "image" in str(info.value)
 
 
 @pytest.mark.parametrize("name", MODEL_NAMES)

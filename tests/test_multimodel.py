@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from flwr.app import ConfigRecord, MetricRecord, RecordDict
 
-from strategies.base import MultiModelStrategy
-from strategies.common import arrays_to_numpy, numpy_to_arrays
+from strategies.multimodel import MultiModelStrategy
+from fedmm.protocol import model_to_record, record_to_model
 from strategies.fedmr import FedMR
 from tests.fakes import FakeGrid
 
@@ -15,7 +15,7 @@ K = 4
 
 
 def initial():
-    return numpy_to_arrays({"a.weight": np.zeros((3,), np.float32), "a.bias": np.zeros((2,), np.float32),
+    return model_to_record({"a.weight": np.zeros((3,), np.float32), "a.bias": np.zeros((2,), np.float32),
                             "b.weight": np.zeros((2, 2), np.float32), "bn.num_batches_tracked": np.array(0, np.int64)})
 
 
@@ -25,17 +25,17 @@ def partition(key: str) -> int:
 
 def trainer(msg, key):
     """Each node adds (partition + 1) to every float weight, so replies are traceable."""
-    model = arrays_to_numpy(msg.content["arrays"])
+    model = record_to_model(msg.content["arrays"])
     out = {k: (v + (partition(key) + 1) if v.dtype == np.float32 else v + 1) for k, v in model.items()}
-    return RecordDict({"arrays": numpy_to_arrays(out), "metrics": MetricRecord({"num-examples": 10.0, "train_loss": 1.0})})
+    return RecordDict({"arrays": model_to_record(out), "metrics": MetricRecord({"num-examples": 10.0, "train_loss": 1.0})})
 
 
 def run_round(strategy, grid, rnd, arrays=None):
     msgs = list(strategy.configure_train(rnd, arrays or initial(), ConfigRecord({"x": 1}), grid))
-    sent = [arrays_to_numpy(m.content["arrays"]) for m in msgs]
+    sent = [record_to_model(m.content["arrays"]) for m in msgs]
     keys = [grid.keys[m.metadata.dst_node_id] for m in msgs]
     global_arrays, metrics = strategy.aggregate_train(rnd, grid.send_and_receive(msgs))
-    return msgs, sent, keys, arrays_to_numpy(global_arrays), metrics
+    return msgs, sent, keys, record_to_model(global_arrays), metrics
 
 
 def test_replies_map_back_by_message_id_not_arrival_order() -> None:
@@ -69,7 +69,7 @@ def test_a_failed_or_invalid_reply_keeps_the_model_it_was_given(failure: str) ->
             return trainer(msg, key)
         if failure == "exception":
             raise RuntimeError("CUDA out of memory")
-        model = arrays_to_numpy(trainer(msg, key)["arrays"])
+        model = record_to_model(trainer(msg, key)["arrays"])
         if failure == "nan":
             model["a.weight"][0] = np.nan
         elif failure == "shape":
@@ -78,7 +78,7 @@ def test_a_failed_or_invalid_reply_keeps_the_model_it_was_given(failure: str) ->
             model["a.bias"] = model["a.bias"].astype(np.float64)
         elif failure == "keys":
             model["extra"] = np.zeros(1, np.float32)
-        return RecordDict({"arrays": numpy_to_arrays(model), "metrics": MetricRecord({"num-examples": 1.0})})
+        return RecordDict({"arrays": model_to_record(model), "metrics": MetricRecord({"num-examples": 1.0})})
 
     strategy = MultiModelStrategy(num_models=K, seed=0)
     grid = FakeGrid(node, num_nodes=K, drop=[bad] if failure == "timeout" else [])
@@ -98,7 +98,7 @@ def test_fedmr_stage_one_sends_identical_models_then_pairwise_different() -> Non
     sent_by_round = []
     for rnd in (1, 2, 3, 4, 5):
         _, sent, _, global_model, _ = run_round(strategy, grid, rnd, arrays)
-        arrays = numpy_to_arrays(global_model)
+        arrays = model_to_record(global_model)
         sent_by_round.append(sent)
     # rounds 1-3 (stage 1 is rounds 1-2; its last reset feeds round 3): every node gets the same model
     for rnd in (0, 1, 2):
@@ -126,7 +126,7 @@ def test_fedmr_same_seed_same_models() -> None:
         arrays = initial()
         for rnd in (1, 2, 3):
             _, _, _, g, _ = run_round(strategy, grid, rnd, arrays)
-            arrays = numpy_to_arrays(g)
+            arrays = model_to_record(g)
         return [m["a.weight"].tolist() + m["a.bias"].tolist() for m in strategy.models]
 
     assert run(1) == run(1)

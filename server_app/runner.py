@@ -1,7 +1,9 @@
-"""One experiment on the server side: data for evaluation, initial model, strategy, rounds, results.
+"""One experiment on the server side: evaluation data, initial model, strategy, rounds, results.
 
-Called by the ServerApp with a Flower ``Grid`` and the resolved config; holds no algorithm
-logic (that lives in ``strategies/``).
+Called by the ServerApp (and by ``fedmm``) with a Flower ``Grid`` and the validated config; holds
+no algorithm logic (that lives in ``strategies/``). A run with ``resume=<run dir>`` continues
+that run from its checkpoint, in the same directory, and gives the same metrics as a run that
+was never stopped.
 """
 
 from __future__ import annotations
@@ -17,16 +19,19 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result
 from flwr.supercore import log
 
-from client_app.training import evaluate as evaluate_model
-from client_app.training import resolve_device
-from fedmm import config as config_mod
-from fedmm.data import label_histograms, load_dataset, partition_indices, plot_label_histograms
+from fedmm import protocol
+from fedmm.data import input_spec, label_histograms, load_dataset, partition_indices, plot_label_histograms
 from fedmm.errors import ConfigError
+from fedmm.evaluation import evaluate as evaluate_model
+from fedmm.evaluation import resolve_device
 from fedmm.models import build_model
-from fedmm.results import RunRecorder, create_run_dir
+from server_app.checkpoint import load_checkpoint, restore_rng_states, rng_states, save_checkpoint
+from server_app.recording import RunRecorder, create_run_dir
 from strategies import build_strategy
+from strategies.multimodel import MultiModelStrategy
 
 
 def payload_bytes(messages: list[Message]) -> int:
@@ -39,7 +44,7 @@ def payload_bytes(messages: list[Message]) -> int:
 
 
 class CountingGrid:
-    """A Grid proxy that counts the model bytes sent to and received from the nodes."""
+    """A Grid proxy that counts the array bytes sent to and received from the nodes."""
 
     def __init__(self, grid: Grid) -> None:
         self._grid = grid
@@ -80,8 +85,8 @@ def federation_size(grid: Grid, settle: float = 1.0, timeout: float = 60.0) -> i
         time.sleep(0.1)
 
 
-def _fit_federation_size(cfg: dict[str, Any], grid: Grid) -> None:
-    # `flwr run` sets the number of SuperNodes in the federation config; it wins over num_clients.
+def fit_federation_size(cfg: dict[str, Any], grid: Grid) -> None:
+    """`flwr run` sets the number of SuperNodes in the federation config; it wins over num_clients."""
     connected = federation_size(grid)
     if connected and connected != cfg["num_clients"]:
         log(
@@ -97,36 +102,56 @@ def _fit_federation_size(cfg: dict[str, Any], grid: Grid) -> None:
 
 
 def run_experiment(grid: Grid, cfg_in: Mapping[str, Any], simulation: bool = True) -> Path:
-    """Run the configured experiment on ``grid``; return the run directory."""
-    cfg = config_mod.to_container(cfg_in)
-    config_mod.validate(cfg)
+    """Run (or, with ``resume``, continue) the configured experiment on ``grid``; return the run directory.
+
+    ``cfg_in`` must have passed :func:`fedmm.config.validate` (the entry points do it once).
+    """
+    cfg = dict(cfg_in)
+    checkpoint = load_checkpoint(cfg["resume"]) if cfg.get("resume") else None
     if simulation:
-        _fit_federation_size(cfg, grid)
-    run_dir = create_run_dir(cfg)
+        fit_federation_size(cfg, grid)
+    if checkpoint is not None:
+        run_dir = Path(cfg["resume"]).expanduser().resolve()
+        done = int(checkpoint["round"])
+        if done >= cfg["num_rounds"]:
+            raise ConfigError("num_rounds", cfg["num_rounds"], f"more than the {done} rounds the run in {run_dir} has finished, to continue it")
+        cfg["output_dir"] = str(run_dir)
+    else:
+        run_dir = create_run_dir(cfg)
     log(INFO, "fedmm run directory: %s", run_dir)
     recorder = RunRecorder(run_dir, cfg)
     seed_everything(int(cfg["seed"]))
 
     d = cfg["dataset"]
     train, test = load_dataset(d)
-    if simulation:
+    if simulation and checkpoint is None:
         parts = partition_indices(train, cfg["partition"], cfg["num_clients"], int(cfg["seed"]))
         hist = label_histograms(train.y.numpy(), parts, int(d["num_classes"]))
         recorder.write_json("label_histograms.json", hist.tolist())
         plot_label_histograms(hist, run_dir / "label_histograms.png")
 
-    model = build_model(cfg["model"]["name"], int(d["in_channels"]), int(d["num_classes"]), int(d["image_size"]))
+    model = build_model(cfg["model"]["name"], input_spec(d))
     strategy = build_strategy(cfg)
     counting = CountingGrid(grid)
     device = resolve_device(cfg["training"]["device"])
     num_rounds, eval_every = int(cfg["num_rounds"]), int(cfg["eval_every"])
-    t0 = time.perf_counter()
+    checkpoint_every = int(cfg["checkpoint_every"])
+    start_round, seconds_before = 1, 0.0
+    if checkpoint is not None:
+        strategy.load_state_dict(checkpoint["strategy"])
+        restore_rng_states(checkpoint["rng"])
+        recorder.restore(checkpoint["metrics"], checkpoint["federated"])
+        counting.bytes_sent, counting.bytes_received = checkpoint["bytes_sent"], checkpoint["bytes_received"]
+        seconds_before = float(checkpoint["seconds"])
+        start_round = int(checkpoint["round"]) + 1
+        log(INFO, "fedmm: resuming at round %d/%d from %s", start_round, num_rounds, run_dir)
+    t0 = time.perf_counter() - seconds_before
 
     def central_evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
         if server_round % eval_every and server_round != num_rounds:
             return None
         model.load_state_dict(arrays.to_torch_state_dict())
-        metrics = evaluate_model(model, test, d, device)
+        metrics = evaluate_model(model, test, device)
         elapsed = time.perf_counter() - t0
         row = {
             "round": server_round,
@@ -136,7 +161,7 @@ def run_experiment(grid: Grid, cfg_in: Mapping[str, Any], simulation: bool = Tru
             "bytes_sent": counting.bytes_sent,
             "bytes_received": counting.bytes_received,
         }
-        if hasattr(strategy, "last_replies") and server_round > 0:
+        if server_round > 0:
             row["replies"] = strategy.last_replies
         recorder.log_metrics(row)
         left = f"~{elapsed / server_round * (num_rounds - server_round):.0f}s left" if server_round else "starting"
@@ -152,25 +177,46 @@ def run_experiment(grid: Grid, cfg_in: Mapping[str, Any], simulation: bool = Tru
         )
         return MetricRecord({"accuracy": metrics["accuracy"], "loss": metrics["loss"]})
 
-    train_config = ConfigRecord({"fedmm-config": config_mod.dumps(cfg)})
+    def write_checkpoint(server_round: int) -> None:
+        save_checkpoint(
+            run_dir,
+            {
+                "round": server_round,
+                "strategy": strategy.state_dict(),
+                "rng": rng_states(),
+                "metrics": recorder.history,
+                "federated": recorder.federated,
+                "bytes_sent": counting.bytes_sent,
+                "bytes_received": counting.bytes_received,
+                "seconds": time.perf_counter() - t0,
+            },
+        )
+
+    def round_end(server_round: int, arrays: ArrayRecord, result: Result) -> None:
+        federated = result.evaluate_metrics_clientapp.get(server_round)
+        if federated is not None:
+            recorder.federated[server_round] = dict(federated)
+        if server_round == num_rounds or (checkpoint_every and server_round % checkpoint_every == 0):
+            write_checkpoint(server_round)
+
+    run_config = ConfigRecord({protocol.RUN_CONFIG: protocol.run_config_record(cfg)})
     try:
         result = strategy.start(
             grid=counting,
             initial_arrays=ArrayRecord(model.state_dict()),
             num_rounds=num_rounds,
             timeout=float(cfg["round_timeout"]),
-            train_config=train_config,
-            evaluate_config=ConfigRecord({"fedmm-config": config_mod.dumps(cfg)}),
+            train_config=run_config,
+            evaluate_config=run_config,
             evaluate_fn=central_evaluate,
+            start_round=start_round,
+            round_end=round_end,
         )
-        if result.evaluate_metrics_clientapp:
-            recorder.write_json(
-                "federated_evaluation.json",
-                {str(rnd): dict(metrics) for rnd, metrics in result.evaluate_metrics_clientapp.items()},
-            )
+        if recorder.federated:
+            recorder.write_json("federated_evaluation.json", {str(r): m for r, m in sorted(recorder.federated.items())})
         final = result.arrays if len(result.arrays) else ArrayRecord(model.state_dict())
         torch.save(final.to_torch_state_dict(), run_dir / "final_model.pt")
-        if getattr(strategy, "models", None):
+        if isinstance(strategy, MultiModelStrategy):
             pool = strategy.pool()
             np.savez(run_dir / "final_models.npz", **{f"{i}/{k}": v for i, m in enumerate(pool) for k, v in m.items()})
     finally:
@@ -188,4 +234,3 @@ def run_experiment(grid: Grid, cfg_in: Mapping[str, Any], simulation: bool = Tru
         )
     log(INFO, "fedmm results written to: %s", run_dir)
     return run_dir
-

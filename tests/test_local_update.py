@@ -1,4 +1,4 @@
-"""Client objectives: μ = 0 equals plain CE, FedProx gradient, FedRL review depth and review term."""
+"""Local-update plugins: μ = 0 equals plain CE, FedProx gradient, FedRL review depth and review term."""
 
 from __future__ import annotations
 
@@ -6,17 +6,22 @@ import numpy as np
 import pytest
 import torch
 
-from client_app.objectives import FedProx, FedRL, Objective, build_objective, resolve_mu
+from client_app.local_update import FedProx, FedRL, LocalUpdate, build_local_update, resolve_mu
 from client_app.training import train
 from fedmm.config import compose, to_container
-from fedmm.data import ImageData
+from fedmm.data import ImageNormalize, TensorData, input_spec
 from fedmm.models import build_model
 
 
-def tiny_data(n: int = 64, seed: int = 0) -> ImageData:
+def tiny_data(n: int = 64, seed: int = 0) -> TensorData:
     g = torch.Generator().manual_seed(seed)
-    return ImageData(x=torch.randint(0, 256, (n, 1, 28, 28), dtype=torch.uint8, generator=g),
-                     y=torch.randint(0, 10, (n,), generator=g), ids=None)
+    return TensorData(x=torch.randint(0, 256, (n, 1, 28, 28), dtype=torch.uint8, generator=g),
+                      y=torch.randint(0, 10, (n,), generator=g), ids=None,
+                      transform=ImageNormalize((0.1307,), (0.3081,)))
+
+
+def mnist_model(name: str = "cnn"):
+    return build_model(name, input_spec(to_container(compose([]))["dataset"]))
 
 
 def cfg_with(*overrides: str) -> dict:
@@ -25,9 +30,8 @@ def cfg_with(*overrides: str) -> dict:
 
 def trained_weights(cfg: dict) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
-    model = build_model("cnn", 1, 10, 28)
-    train(model, tiny_data(), build_objective(cfg), cfg["training"], cfg["dataset"], 1,
-          torch.Generator().manual_seed(1), torch.device("cpu"))
+    model = mnist_model()
+    train(model, tiny_data(), build_local_update(cfg), cfg["training"], 1, torch.Generator().manual_seed(1), torch.device("cpu"))
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
@@ -46,9 +50,9 @@ def test_fedprox_term_gradient_is_mu_times_distance() -> None:
     mu = 0.3
     cfg = cfg_with("objective=fedprox", f"objective.mu={mu}")
     torch.manual_seed(0)
-    model = build_model("lenet", 1, 10, 28)
+    model = mnist_model("lenet")
     objective = FedProx(cfg)
-    objective.start_round(model, 1)
+    objective.begin(model, 1)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)
@@ -61,21 +65,21 @@ def test_fedprox_term_gradient_is_mu_times_distance() -> None:
 
 
 def test_review_depth_cycles_one_to_m_per_batch_and_per_round() -> None:
-    model = build_model("cnn", 1, 10, 28)  # 4 layers
+    model = mnist_model()  # 4 layers
     x, y = torch.randn(2, 1, 28, 28), torch.tensor([0, 1])
     objective = FedRL(cfg_with("objective=fedrl"))
-    objective.start_round(model, server_round=7)
+    objective.begin(model, server_round=7)
     depths = []
     for _ in range(10):
         depths.append(objective.review_depth())
         objective.loss(model, x, y)
     assert depths == [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
-    objective.start_round(model, server_round=8)
+    objective.begin(model, server_round=8)
     assert objective.review_depth() == 1  # Algorithm 1: m restarts every round
     per_round = FedRL(cfg_with("objective=fedrl", "objective.advance=round"))
     seen = []
     for rnd in range(1, 10):
-        per_round.start_round(model, rnd)
+        per_round.begin(model, rnd)
         seen.append(per_round.review_depth())
         per_round.loss(model, x, y)
         assert per_round.review_depth() == seen[-1]  # fixed within the round
@@ -84,9 +88,9 @@ def test_review_depth_cycles_one_to_m_per_batch_and_per_round() -> None:
 
 def test_review_term_is_zero_when_models_are_equal_and_reference_never_moves() -> None:
     torch.manual_seed(0)
-    model = build_model("cnn", 1, 10, 28).eval()  # no dropout in cnn; eval to match the frozen copy
+    model = mnist_model().eval()  # no dropout in cnn; eval to match the frozen copy
     objective = FedRL(cfg_with("objective=fedrl", "objective.mu=10.0"))
-    objective.start_round(model, 1)
+    objective.begin(model, 1)
     x, y = torch.randn(3, 1, 28, 28), torch.tensor([1, 2, 3])
     for _ in range(4):  # every depth
         loss, logits = objective.loss(model, x, y)
@@ -116,7 +120,7 @@ def test_mu_resolution_follows_the_paper_table() -> None:
     assert resolve_mu({**params, "mu": 0.2}, "cifar100") == 0.2
     prox = to_container(compose(["objective=fedprox"]))["objective"]
     assert resolve_mu(prox, "femnist") == 0.1 and resolve_mu(prox, "cifar10") == 0.01
-    assert isinstance(build_objective({"objective": {"name": "ce"}}), Objective)
+    assert type(build_local_update({"objective": {"name": "ce"}})) is LocalUpdate
 
 
 def test_lr_schedule_divides_at_decay_rounds() -> None:
@@ -125,3 +129,55 @@ def test_lr_schedule_divides_at_decay_rounds() -> None:
     training = {"lr": 0.01, "lr_decay_rounds": [40, 80], "lr_decay_factor": 0.1}
     assert [round_lr(training, r) for r in (1, 39, 40, 79, 80, 120)] == pytest.approx([0.01, 0.01, 0.001, 0.001, 0.0001, 0.0001])
     assert np.isclose(round_lr({**training, "lr_decay_rounds": []}, 100), 0.01)
+
+
+class CountingUpdate(LocalUpdate):
+    """A plugin that uses every hook: reads an extra record, keeps state across rounds, replaces
+    the optimizer step, adds a reply record."""
+
+    name = "counting"
+
+    def begin(self, model, server_round):
+        self.offset = float(self.content["extra"]["offset"])  # an extra record of the train message
+        self.steps = 0
+
+    def step(self, model, optimizer, x, y):
+        self.steps += 1
+        return super().step(model, optimizer, x, y)
+
+    def end(self, model):
+        from flwr.app import Array, ArrayRecord, ConfigRecord
+
+        rounds = int(self.state["counting"]["rounds"]) + 1 if "counting" in self.state else 1
+        self.state["counting"] = ConfigRecord({"rounds": rounds})  # Context.state: kept by the node
+        return {"steps": ArrayRecord({"n": Array(np.array([self.steps, rounds, self.offset]))})}
+
+
+def test_a_plugin_reads_extra_records_keeps_state_steps_and_adds_reply_records(monkeypatch) -> None:
+    from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+
+    from client_app import client_app, local_update
+    from fedmm import protocol
+
+    monkeypatch.setitem(local_update.PLUGINS, "counting", CountingUpdate)
+    cfg = to_container(compose(["num_clients=4", "clients_per_round=2", "training.local_epochs=1"]))
+    cfg["objective"] = {"name": "counting"}
+    context = Context(run_id=1, node_id=7, node_config={"partition-id": 1, "num-partitions": 4}, state=RecordDict(), run_config={})
+    torch.manual_seed(0)
+    arrays = ArrayRecord(mnist_model().state_dict())
+    for rnd in (1, 2):
+        msg = Message(
+            RecordDict({
+                protocol.ARRAYS: arrays,
+                protocol.CONFIG: ConfigRecord({protocol.SERVER_ROUND: rnd, protocol.RUN_CONFIG: protocol.run_config_record(cfg)}),
+                "extra": ConfigRecord({"offset": 0.5}),
+            }),
+            message_type=protocol.TRAIN,
+            dst_node_id=7,
+        )
+        reply = client_app.train(msg, context)
+        steps, rounds, offset = reply.content["steps"]["n"].numpy()
+        n = int(reply.content[protocol.METRICS][protocol.NUM_EXAMPLES])
+        assert steps == -(-n // cfg["training"]["batch_size"])  # one step per batch
+        assert rounds == rnd and offset == 0.5  # the state survived the first round
+        assert set(reply.content.array_records) == {protocol.ARRAYS, "steps"}

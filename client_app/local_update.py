@@ -1,0 +1,188 @@
+"""Local-update plugins: what a client does in its round of local training, selected by config.
+
+A plugin is a :class:`LocalUpdate` subclass registered in :data:`PLUGINS` under the
+``objective.name`` it answers to; its hyperparameters live in ``conf/objective/<name>.yaml`` and
+its schema in :attr:`LocalUpdate.schema`. The client chooses the plugin from the run config, so
+any plugin combines with any server method (FedRL under FedMR works).
+
+One plugin instance serves one train message. Through it a method can
+
+- read extra records of the train message (``self.content``, e.g. a control variate);
+- keep per-node state across rounds in Flower's ``Context.state`` (``self.state``, a
+  ``RecordDict``). It lives in the node's memory: in simulation for the whole run, on a deployed
+  SuperNode until the SuperNode process restarts (a restart, like a resumed run, starts it empty);
+- define the loss of a batch (:meth:`LocalUpdate.loss`);
+- replace the optimizer step (:meth:`LocalUpdate.step`: two passes, gradient correction);
+- add records to the reply (:meth:`LocalUpdate.end`).
+
+The training loop (:func:`client_app.training.train`) calls :meth:`begin` once with the model as
+received, :meth:`step` for every batch, and :meth:`end` after the last one.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from flwr.app import RecordDict
+from torch import nn
+from torch.nn import functional as F
+
+from fedmm.config import Choice, MapOf, Nullable, Number, register_schema
+from fedmm.errors import ConfigError
+
+
+class LocalUpdate:
+    """Plain cross-entropy SGD; the base every other plugin extends.
+
+    Parameters
+    ----------
+    cfg : Mapping
+        The run's resolved config (``objective``, ``dataset``, ... groups).
+    state : RecordDict
+        This node's ``Context.state``: kept across rounds, empty at the node's first round.
+    content : RecordDict
+        The train message's records (``arrays``, ``config`` and any extra ones).
+    """
+
+    name = "ce"
+    #: Keys of this plugin's ``objective`` config group (besides ``name``).
+    schema: dict[str, Any] = {}
+
+    def __init__(self, cfg: Mapping[str, Any], state: RecordDict | None = None, content: RecordDict | None = None) -> None:
+        self.cfg = cfg
+        self.params: Mapping[str, Any] = cfg.get("objective", {"name": "ce"})
+        self.state = state if state is not None else RecordDict()
+        self.content = content if content is not None else RecordDict()
+
+    # ------------------------------------------------------------------ hooks
+    def begin(self, model: nn.Module, server_round: int) -> None:
+        """Called once per round, before training, with the model as received."""
+
+    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss to minimise, logits) for one batch."""
+        logits = model(x)
+        return F.cross_entropy(logits, y), logits
+
+    def step(self, model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """One optimizer step on a batch; returns the batch loss. Override for two-pass steps
+        (SAM) or gradient corrections (SCAFFOLD)."""
+        optimizer.zero_grad(set_to_none=True)
+        loss, _ = self.loss(model, x, y)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    def end(self, model: nn.Module) -> dict[str, Any]:
+        """Extra records of the reply, by name (besides ``arrays`` and ``metrics``)."""
+        return {}
+
+    # ------------------------------------------------------------------ config
+    @classmethod
+    def check_config(cls, params: Mapping[str, Any], cfg: Mapping[str, Any]) -> None:
+        """Rules across keys (run after the schema check)."""
+
+    def mu(self) -> float:
+        """μ of the objective: ``objective.mu``, or the paper's value for the dataset."""
+        return resolve_mu(self.params, self.cfg["dataset"]["name"])
+
+
+def resolve_mu(params: Mapping[str, Any], dataset: str) -> float:
+    """``mu`` when set, else ``mu_by_dataset[dataset]``, else ``default_mu``."""
+    if params.get("mu") is not None:
+        return float(params["mu"])
+    return float(params.get("mu_by_dataset", {}).get(dataset, params.get("default_mu", 0.0)))
+
+
+#: The μ keys shared by FedProx and FedRL.
+_MU_SCHEMA = {
+    "mu": Nullable(Number(ge=0), "null (the paper's value for the dataset) or a number >= 0"),
+    "mu_by_dataset": MapOf(Number(ge=0), "a mapping of dataset names to numbers >= 0"),
+    "default_mu": Number(ge=0),
+}
+
+
+class FedProx(LocalUpdate):
+    """CE + (μ/2)·‖w − w_global‖² over all trainable parameters (Li et al. 2020, Eq. 2)."""
+
+    name = "fedprox"
+    schema = dict(_MU_SCHEMA)
+
+    def begin(self, model: nn.Module, server_round: int) -> None:
+        """Keep a detached copy of the received parameters."""
+        self.global_params = [p.detach().clone() for p in model.parameters()]
+        self._mu = self.mu()
+
+    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ce, logits = super().loss(model, x, y)
+        if self._mu == 0.0:
+            return ce, logits
+        prox = sum(((p - g) ** 2).sum() for p, g in zip(model.parameters(), self.global_params))
+        return ce + 0.5 * self._mu * prox, logits
+
+
+class FedRL(LocalUpdate):
+    """Review learning (Wang et al. 2024, Algorithm 1 and Eq. 3).
+
+    loss = CE + (μ/2)·‖kr_m − kr_{i,m}‖₂, where kr_m is the output of the first m layers of the
+    received model (frozen, in eval mode, never updated) and kr_{i,m} that of the local model on
+    the same batch. The review depth m cycles through 1..M (M = the model's ``num_layers``):
+    batch by batch starting at 1 every round (``advance: batch``, Algorithm 1), or one depth per
+    round (``advance: round``).
+    """
+
+    name = "fedrl"
+    schema = {**_MU_SCHEMA, "advance": Choice("batch", "round")}
+
+    def begin(self, model: nn.Module, server_round: int) -> None:
+        """Freeze a copy of the received model; reset the review depth."""
+        self.reference = copy.deepcopy(model).eval()
+        for p in self.reference.parameters():
+            p.requires_grad_(False)
+        self.num_layers = int(model.num_layers)
+        self.server_round = server_round
+        self.batches_seen = 0
+        self._mu = self.mu()
+
+    def review_depth(self) -> int:
+        """m for the next batch, in 1..M."""
+        if self.params.get("advance", "batch") == "round":
+            return (self.server_round - 1) % self.num_layers + 1
+        return self.batches_seen % self.num_layers + 1
+
+    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        m = self.review_depth()
+        self.batches_seen += 1
+        # one pass through the local model gives both kr_{i,m} and the logits
+        h, kr_local = x, None
+        for depth, layer in enumerate(model.layers, start=1):
+            h = layer(h)
+            if depth == m:
+                kr_local = h
+        logits = h
+        ce = F.cross_entropy(logits, y)
+        if self._mu == 0.0:
+            return ce, logits
+        with torch.no_grad():
+            kr_global = self.reference.forward_prefix(x, m)
+        review = torch.linalg.vector_norm(kr_global - kr_local)
+        return ce + 0.5 * self._mu * review, logits
+
+
+#: objective.name -> plugin class
+PLUGINS: dict[str, type[LocalUpdate]] = {cls.name: cls for cls in (LocalUpdate, FedProx, FedRL)}
+
+for _cls in PLUGINS.values():
+    register_schema("objective", _cls.name, _cls.schema, _cls.check_config)
+
+
+def build_local_update(
+    cfg: Mapping[str, Any], state: RecordDict | None = None, content: RecordDict | None = None
+) -> LocalUpdate:
+    """The plugin named by ``objective.name`` (default ``ce``)."""
+    name = cfg.get("objective", {}).get("name", "ce")
+    if name not in PLUGINS:
+        raise ConfigError("objective.name", name, ", ".join(PLUGINS))
+    return PLUGINS[name](cfg, state, content)

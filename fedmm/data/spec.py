@@ -1,0 +1,331 @@
+"""Validation of the ``dataset`` and ``partition`` config groups, and what a model needs to
+know about its input (:class:`InputSpec`), from the config alone (no data is loaded)."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from fedmm.errors import ConfigError
+
+NUM_CLIENTS_KEY = "num_clients"
+
+#: Seed of the held-out test split for datasets without one. Fixed on purpose: the
+#: test set must not change with the run seed, or runs would not be comparable.
+HOLDOUT_SEED = 20240521
+
+DATASET_NAMES = ("mnist5k", "cifar10", "cifar100", "femnist", "mnist", "fashion_mnist")
+EMBEDDED_NAMES = ("mnist5k",)
+SOURCES = ("embedded", "hf")
+PARTITION_NAMES = ("iid", "dirichlet", "natural")
+#: Number of classes of each CIFAR-100 label type.
+CIFAR100_LABEL_TYPES = {"coarse": 20, "fine": 100}
+
+_DATASET_KEYS = (
+    "name",
+    "source",
+    "hf_id",
+    "path",
+    "image_column",
+    "label_column",
+    "id_column",
+    "label_type",
+    "num_classes",
+    "in_channels",
+    "image_size",
+    "mean",
+    "std",
+    "test_split",
+    "test_fraction",
+)
+
+
+
+@dataclass(frozen=True)
+class _DatasetSpec:
+    """Validated, hashable form of the ``dataset`` config group."""
+
+    name: str
+    source: str
+    hf_id: str | None
+    path: str | None
+    image_column: str | None
+    label_column: str | None
+    id_column: str | None
+    label_type: str | None
+    num_classes: int
+    in_channels: int
+    image_size: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    test_split: str | None
+    test_fraction: float
+
+
+def _require(cfg: Mapping, key: str, group: str) -> Any:
+    if key not in cfg:
+        raise ConfigError(f"{group}.{key}", None, f"a value (the key is missing from the {group} config)")
+    return cfg[key]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+
+def _opt_str(cfg: Mapping, key: str) -> str | None:
+    value = _require(cfg, key, "dataset")
+    if value is None or isinstance(value, str):
+        return value or None
+    raise ConfigError(f"dataset.{key}", value, "a string or null")
+
+
+def _floats(cfg: Mapping, key: str, channels: int) -> tuple[float, ...]:
+    value = _require(cfg, key, "dataset")
+    if _is_number(value):
+        value = [value] * channels
+    try:
+        out = tuple(float(v) for v in value if _is_number(v))
+        ok = len(out) == len(value) == channels
+    except TypeError:
+        ok = False
+    if not ok:
+        raise ConfigError(f"dataset.{key}", value, f"a list of {channels} numbers (one per channel, dataset.in_channels={channels})")
+    return out
+
+
+def expected_num_classes(dataset_cfg: Mapping) -> int:
+    """Number of classes implied by the config.
+
+    For ``cifar100`` it follows ``label_type`` (20 coarse / 100 fine); otherwise it
+    is ``num_classes``. Use it instead of reading ``num_classes`` directly when the
+    value may have been left inconsistent; :func:`load_dataset` rejects such configs.
+    """
+    label_type = dataset_cfg.get("label_type")
+    if dataset_cfg.get("name") == "cifar100" and label_type in CIFAR100_LABEL_TYPES:
+        return CIFAR100_LABEL_TYPES[label_type]
+    return int(_require(dataset_cfg, "num_classes", "dataset"))
+
+
+def _dataset_spec(cfg: Mapping) -> _DatasetSpec:
+    """Validate the ``dataset`` config group and freeze it into a cache key."""
+    if not isinstance(cfg, Mapping):
+        raise ConfigError("dataset", cfg, "a mapping with keys " + ", ".join(_DATASET_KEYS))
+    name = _require(cfg, "name", "dataset")
+    if name not in DATASET_NAMES:
+        raise ConfigError("dataset.name", name, ", ".join(DATASET_NAMES))
+    source = _require(cfg, "source", "dataset")
+    if source not in SOURCES:
+        raise ConfigError("dataset.source", source, ", ".join(SOURCES))
+
+    path = _require(cfg, "path", "dataset")
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise ConfigError("dataset.path", path, "a folder path or null")
+    path = os.path.expanduser(os.fspath(path)) if path else None
+    hf_id = _opt_str(cfg, "hf_id")
+    if path is None:
+        if source == "embedded" and name not in EMBEDDED_NAMES:
+            raise ConfigError("dataset.source", source, f"'embedded' only for {', '.join(EMBEDDED_NAMES)}; 'hf' otherwise")
+        if source == "hf" and hf_id is None:
+            raise ConfigError("dataset.hf_id", hf_id, "a Hugging Face dataset id, or set dataset.path to a local folder")
+        if source == "embedded" and name in EMBEDDED_NAMES and hf_id is not None:
+            raise ConfigError("dataset.hf_id", hf_id, "null when dataset.source=embedded")
+
+    label_type = _require(cfg, "label_type", "dataset")
+    if name == "cifar100":
+        if label_type not in CIFAR100_LABEL_TYPES:
+            raise ConfigError("dataset.label_type", label_type, "coarse (20 superclasses) or fine (100 classes)")
+    elif label_type is not None:
+        raise ConfigError("dataset.label_type", label_type, "null (label_type only applies to cifar100)")
+
+    num_classes = _require(cfg, "num_classes", "dataset")
+    if not _is_int(num_classes) or num_classes < 2:
+        raise ConfigError("dataset.num_classes", num_classes, "an integer >= 2")
+    if label_type is not None and num_classes != CIFAR100_LABEL_TYPES[label_type]:
+        want = CIFAR100_LABEL_TYPES[label_type]
+        raise ConfigError(
+            "dataset.num_classes",
+            num_classes,
+            f"{want} with dataset.label_type={label_type} (coarse -> 20, fine -> 100)",
+        )
+
+    label_column = _opt_str(cfg, "label_column")
+    if label_type is not None:
+        derived = f"{label_type}_label"
+        if label_column not in (None, derived):
+            raise ConfigError("dataset.label_column", label_column, f"null or {derived!r} with dataset.label_type={label_type}")
+        label_column = derived
+    elif label_column is None:
+        label_column = "label"
+
+    in_channels = _require(cfg, "in_channels", "dataset")
+    if in_channels not in (1, 3) or not _is_int(in_channels):
+        raise ConfigError("dataset.in_channels", in_channels, "1 (grayscale) or 3 (RGB)")
+    image_size = _require(cfg, "image_size", "dataset")
+    if not _is_int(image_size) or image_size < 1:
+        raise ConfigError("dataset.image_size", image_size, "a positive integer (images are square)")
+    mean = _floats(cfg, "mean", in_channels)
+    std = _floats(cfg, "std", in_channels)
+    if any(s <= 0 for s in std):
+        raise ConfigError("dataset.std", list(std), "positive numbers")
+
+    test_split = _opt_str(cfg, "test_split")
+    test_fraction = _require(cfg, "test_fraction", "dataset")
+    if not _is_number(test_fraction) or not 0.0 < float(test_fraction) < 1.0:
+        raise ConfigError("dataset.test_fraction", test_fraction, "a number strictly between 0 and 1")
+
+    return _DatasetSpec(
+        name=name,
+        source=source,
+        hf_id=hf_id,
+        path=path,
+        image_column=_opt_str(cfg, "image_column"),
+        label_column=label_column,
+        id_column=_opt_str(cfg, "id_column"),
+        label_type=label_type,
+        num_classes=int(num_classes),
+        in_channels=int(in_channels),
+        image_size=int(image_size),
+        mean=mean,
+        std=std,
+        test_split=test_split,
+        test_fraction=float(test_fraction),
+    )
+
+
+def check_dataset_config(dataset_cfg: Mapping) -> None:
+    """Validate the ``dataset`` config group without loading any data.
+
+    Raises
+    ------
+    ConfigError
+        Naming the first bad key (``dataset.<key>``) and its allowed values.
+    """
+    _dataset_spec(dataset_cfg)
+
+
+@dataclass(frozen=True)
+class _PartitionSpec:
+    name: str
+    alpha: float = 0.0
+    min_partition_size: int = 0
+    self_balancing: bool = False
+    min_samples: int = 0
+
+
+def _partition_spec(cfg: Mapping) -> _PartitionSpec:
+    if not isinstance(cfg, Mapping):
+        raise ConfigError("partition", cfg, "a mapping with a 'name' key")
+    name = _require(cfg, "name", "partition")
+    if name not in PARTITION_NAMES:
+        raise ConfigError("partition.name", name, ", ".join(PARTITION_NAMES))
+    if name == "iid":
+        return _PartitionSpec(name)
+    if name == "dirichlet":
+        alpha = _require(cfg, "alpha", "partition")
+        if not _is_number(alpha) or not math.isfinite(alpha) or alpha <= 0:
+            raise ConfigError("partition.alpha", alpha, "a number > 0 (smaller = more label skew)")
+        min_size = _require(cfg, "min_partition_size", "partition")
+        if not _is_int(min_size) or min_size < 0:
+            raise ConfigError("partition.min_partition_size", min_size, "an integer >= 0")
+        balancing = _require(cfg, "self_balancing", "partition")
+        if not isinstance(balancing, (bool, np.bool_)):
+            raise ConfigError("partition.self_balancing", balancing, "true or false")
+        return _PartitionSpec(name, alpha=float(alpha), min_partition_size=int(min_size), self_balancing=bool(balancing))
+    min_samples = _require(cfg, "min_samples", "partition")
+    if not _is_int(min_samples) or min_samples < 0:
+        raise ConfigError("partition.min_samples", min_samples, "an integer >= 0")
+    return _PartitionSpec(name, min_samples=int(min_samples))
+
+
+def check_partition_config(partition_cfg: Mapping) -> None:
+    """Validate the ``partition`` config group without partitioning anything.
+
+    Checks that depend on the data (enough samples or ids for ``num_clients``, a
+    reachable ``min_partition_size``) happen in :func:`partition_indices`.
+
+    Raises
+    ------
+    ConfigError
+        Naming the first bad key (``partition.<key>``) and its allowed values.
+    """
+    _partition_spec(partition_cfg)
+
+
+
+# ------------------------------------------------------------------------ input spec
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """What a model needs to know about its input, from the ``dataset`` config alone.
+
+    Attributes
+    ----------
+    kind : str
+        ``image`` (uint8 ``[C, H, W]`` inputs) or ``tokens`` (int64 token ids ``[T]``).
+    num_classes : int
+        Number of output logits.
+    shape : tuple of int
+        Shape of one input: ``(C, H, W)`` for images, ``(T,)`` for token sequences.
+    vocab_size : int or None
+        Vocabulary size of token inputs.
+    """
+
+    kind: str
+    num_classes: int
+    shape: tuple[int, ...]
+    vocab_size: int | None = None
+
+    @property
+    def in_channels(self) -> int:
+        """Image channels (images only)."""
+        return self.shape[0]
+
+    @property
+    def image_size(self) -> int:
+        """Side of the square images (images only)."""
+        return self.shape[-1]
+
+
+def input_spec(dataset_cfg: Mapping) -> InputSpec:
+    """The :class:`InputSpec` of the configured dataset (validates the group)."""
+    spec = _dataset_spec(dataset_cfg)
+    return InputSpec(kind="image", num_classes=spec.num_classes, shape=(spec.in_channels, spec.image_size, spec.image_size))
+
+
+# ------------------------------------------------------------------------ schemas
+
+
+def _check_dataset_group(values: Mapping, cfg: Mapping) -> None:
+    _dataset_spec(values)
+    path = values.get("path")
+    if path and not os.path.exists(os.path.expanduser(str(path))):
+        raise ConfigError("dataset.path", path, "an existing local dataset folder (save_to_disk output or CIFAR python batches), or null")
+
+
+def _check_partition_group(values: Mapping, cfg: Mapping) -> None:
+    _partition_spec(values)
+
+
+def _register_schemas() -> None:
+    from fedmm.config import AnyValue, register_schema
+
+    # The dataset keys are checked together by _dataset_spec (they depend on each other).
+    dataset_schema = {key: AnyValue() for key in _DATASET_KEYS if key != "name"}
+    for name in DATASET_NAMES:
+        register_schema("dataset", name, dataset_schema, _check_dataset_group)
+    partition_keys = {"iid": (), "dirichlet": ("alpha", "min_partition_size", "self_balancing"), "natural": ("min_samples",)}
+    for name, keys in partition_keys.items():
+        register_schema("partition", name, {key: AnyValue() for key in keys}, _check_partition_group)
+
+
+_register_schemas()

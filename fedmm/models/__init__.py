@@ -1,0 +1,94 @@
+"""Model registry: the networks the experiments train, selected by ``model.name``.
+
+Every model is a :class:`LayeredModel`: an ordered list of top-level blocks
+("layers" in the sense of the FedMR / FedRL papers: a conv block, a residual
+stage, a fully connected layer ...). Running the blocks in order is the forward
+pass; running only the first ``m`` of them gives the intermediate representation
+that layer-wise methods (FedMR layer recombination, FedRL review learning) use.
+
+Public API
+----------
+MODEL_NAMES
+    The names accepted by :func:`build_model`.
+build_model(name, spec)
+    Build a freshly initialised model. Initialisation draws only from torch's
+    global RNG, so ``torch.manual_seed(s)`` before the call makes it reproducible.
+"""
+
+from __future__ import annotations
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from fedmm.data.spec import InputSpec
+from fedmm.errors import ConfigError
+from fedmm.models.cnn import _build_cnn, _build_lenet
+from fedmm.models.layered import LayeredModel
+from fedmm.models.resnet import PreActBottleneck, _build_resnet20, _build_resnet20_preact
+from fedmm.models.vgg import _build_vgg16
+
+__all__ = ["MODEL_NAMES", "LayeredModel", "PreActBottleneck", "build_model"]
+
+#: name -> (builder(in_channels, num_classes, image_size), input kinds it accepts)
+_BUILDERS: dict[str, tuple[Callable[[int, int, int], LayeredModel], tuple[str, ...]]] = {
+    "cnn": (_build_cnn, ("image",)),
+    "lenet": (_build_lenet, ("image",)),
+    "resnet20": (_build_resnet20, ("image",)),
+    "resnet20-preact": (_build_resnet20_preact, ("image",)),
+    "vgg16": (_build_vgg16, ("image",)),
+}
+
+MODEL_NAMES: tuple[str, ...] = tuple(_BUILDERS)
+
+
+def _check_positive(key: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(key, value, "a positive integer")
+    return value
+
+
+
+def build_model(name: str, spec: InputSpec) -> LayeredModel:
+    """Build the model called ``name`` for the input described by ``spec``.
+
+    Parameters
+    ----------
+    name : str
+        One of :data:`MODEL_NAMES`.
+    spec : InputSpec
+        From :func:`fedmm.data.input_spec`: the input kind and shape and the number of classes.
+
+    Returns
+    -------
+    LayeredModel
+        A freshly initialised model in training mode. Initialisation draws only from torch's
+        global RNG, so ``torch.manual_seed(s)`` before the call makes it reproducible.
+
+    Raises
+    ------
+    ConfigError
+        ``model.name`` for an unknown name or an input kind the model does not take;
+        ``dataset.in_channels``, ``dataset.num_classes`` or ``dataset.image_size`` for a
+        non-positive value; ``dataset.image_size`` for an image too small for the model
+        (``vgg16`` needs at least 32).
+    """
+    if name not in _BUILDERS:
+        raise ConfigError("model.name", name, ", ".join(MODEL_NAMES))
+    builder, kinds = _BUILDERS[name]
+    if spec.kind not in kinds:
+        raise ConfigError("model.name", name, f"a model for {spec.kind} inputs ({name} takes {', '.join(kinds)} inputs)")
+    in_channels = _check_positive("dataset.in_channels", spec.in_channels)
+    num_classes = _check_positive("dataset.num_classes", spec.num_classes)
+    image_size = _check_positive("dataset.image_size", spec.image_size)
+    return builder(in_channels, num_classes, image_size)
+
+
+def _register_schemas() -> None:
+    from fedmm.config import register_schema
+
+    for model_name in MODEL_NAMES:
+        register_schema("model", model_name, {})
+
+
+_register_schemas()

@@ -1,0 +1,274 @@
+"""The wire protocol between the ServerApp and the ClientApps: every name, and the codecs.
+
+Every record name, config key and message action that crosses the wire is defined here and
+imported everywhere else. Both apps import this module; it imports only ``flwr.app`` (never
+``flwr.serverapp``, so a ClientApp process does not load the server side).
+
+Messages (see docs/architecture.md for who writes and who reads each entry)
+------------------------------------------------------------------------------
+train (``MessageType.TRAIN``, or ``train.<phase>`` for a method's extra phases)
+    down: ``arrays`` (ArrayRecord, the model), ``config`` (ConfigRecord: ``server-round``,
+    ``model-index``, ``fedmm-config``), plus any extra records a method adds (e.g. a control
+    variate); up: ``arrays`` (the trained model), ``metrics`` (MetricRecord with
+    ``num-examples``), plus any extra records the client's local-update plugin adds.
+evaluate (``MessageType.EVALUATE``)
+    down: ``arrays``, ``config``; up: ``metrics`` (``accuracy``, ``loss``, ``num-examples``).
+query (``MessageType.QUERY``) — optional capability
+    down: ``config`` with ``fedmm-roster``; up: ``roster`` with ``node-key``, the node's stable
+    identity (partition id or data path) used for seeded sampling. A ClientApp without a query
+    handler answers with an error; the server then orders that node by its node id.
+
+The first three names (``arrays``, ``config``, ``metrics``, ``num-examples``) are Flower's own
+conventions, so the strategies work with any ClientApp that follows Flower's quickstart.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+
+# ----------------------------------------------------------------------------- record names
+#: ArrayRecord holding the model (Flower's convention, as ``FedAvg.arrayrecord_key``).
+ARRAYS = "arrays"
+#: ConfigRecord of a server message (Flower's convention, as ``FedAvg.configrecord_key``).
+CONFIG = "config"
+#: MetricRecord of a reply (Flower's convention).
+METRICS = "metrics"
+#: ConfigRecord of a roster reply.
+ROSTER = "roster"
+
+# ----------------------------------------------------------------------------- config keys
+#: ``config``: the round being run (Flower's convention).
+SERVER_ROUND = "server-round"
+#: ``config``: index of the server model a train message carries (multi-model methods).
+MODEL_INDEX = "model-index"
+#: ``config``: the run's resolved configuration as JSON (fedmm ClientApps read it).
+RUN_CONFIG = "fedmm-config"
+#: ``config`` of a QUERY: asks a node for its stable key.
+ROSTER_QUERY = "fedmm-roster"
+#: ``roster`` reply: the node's stable key.
+NODE_KEY = "node-key"
+#: ``metrics`` of a reply: examples the client trained / evaluated on (Flower's convention).
+NUM_EXAMPLES = "num-examples"
+
+# ----------------------------------------------------------------------------- actions
+TRAIN = MessageType.TRAIN
+EVALUATE = MessageType.EVALUATE
+QUERY = MessageType.QUERY
+
+
+def train_action(phase: str | None = None) -> str:
+    """Message type of a train phase: ``train`` or ``train.<phase>`` (Flower routes the
+    latter to a ClientApp handler registered with ``@app.train("<phase>")``)."""
+    return TRAIN if not phase else f"{TRAIN}.{phase}"
+
+
+# ----------------------------------------------------------------------------- models
+#: A model on the server: state_dict key -> numpy array. Treated as immutable: methods build
+#: new dicts (sharing untouched arrays) instead of writing into existing ones.
+ModelDict = dict[str, np.ndarray]
+
+#: key -> (shape, dtype): what an ArrayRecord of a reply must match.
+ArraySpec = dict[str, tuple[tuple[int, ...], np.dtype]]
+
+
+def model_to_record(model: Mapping[str, np.ndarray]) -> ArrayRecord:
+    """Encode a dict of numpy arrays as an ``ArrayRecord`` (order preserved)."""
+    return ArrayRecord({key: Array(np.require(value, requirements="C")) for key, value in model.items()})
+
+
+def record_to_model(record: ArrayRecord, consume: bool = False) -> ModelDict:
+    """Decode an ``ArrayRecord`` into a dict of numpy arrays (order preserved).
+
+    With ``consume=True`` each array is popped from the record as it is decoded, so the
+    serialized bytes are freed while the numpy arrays are built.
+    """
+    if consume:
+        return {key: record.pop(key).numpy() for key in list(record.keys())}
+    return {key: array.numpy() for key, array in record.items()}
+
+
+def array_spec(model: Mapping[str, np.ndarray]) -> ArraySpec:
+    """Key -> (shape, dtype) of a model: what every reply must match."""
+    return {key: (tuple(value.shape), value.dtype) for key, value in model.items()}
+
+
+def check_arrays(model: Mapping[str, np.ndarray], spec: ArraySpec) -> str:
+    """Why ``model`` does not match ``spec`` (keys, shapes, dtypes, NaN/Inf), or ``""``."""
+    if list(model) != list(spec):
+        missing = sorted(set(spec) - set(model))
+        extra = sorted(set(model) - set(spec))
+        return f"wrong keys (missing {missing[:5]}, unexpected {extra[:5]})"
+    for key, (shape, dtype) in spec.items():
+        value = model[key]
+        if tuple(value.shape) != shape:
+            return f"{key}: shape {tuple(value.shape)} != expected {shape}"
+        if value.dtype != dtype:
+            return f"{key}: dtype {value.dtype} != expected {dtype}"
+        if np.issubdtype(value.dtype, np.floating) and not np.isfinite(value).all():
+            return f"{key}: contains NaN or Inf"
+    return ""
+
+
+# ----------------------------------------------------------------------------- run config
+def run_config_record(cfg: Mapping[str, Any]) -> str:
+    """The run's resolved config as the JSON string sent in ``config[RUN_CONFIG]``."""
+    return json.dumps(cfg, sort_keys=True)
+
+
+def read_run_config(msg: Message) -> dict[str, Any]:
+    """The run's resolved config sent by the server."""
+    return json.loads(str(msg.content[CONFIG][RUN_CONFIG]))
+
+
+def server_round(msg: Message) -> int:
+    """The round a server message belongs to."""
+    return int(msg.content[CONFIG][SERVER_ROUND])
+
+
+# ----------------------------------------------------------------------------- replies
+@dataclass
+class ClientUpdate:
+    """One decoded, validated train reply.
+
+    Attributes
+    ----------
+    node_id : int
+        The node that sent it.
+    slot : int
+        Position of the node in the round's selection (= the index of the model it was sent,
+        for multi-model methods).
+    model : ModelDict
+        The trained model (the reply's ``arrays`` record).
+    num_examples : float
+        The client's ``num-examples`` (0 when it reported none).
+    metrics : dict
+        Every numeric metric of the reply.
+    extras : dict
+        Further ArrayRecords the method asked for, by record name, decoded.
+    """
+
+    node_id: int
+    slot: int
+    model: ModelDict
+    num_examples: float
+    metrics: dict[str, float]
+    extras: dict[str, ModelDict] = field(default_factory=dict)
+
+
+def reply_metrics(reply: Message) -> dict[str, float]:
+    """All numeric metrics of a reply (every MetricRecord, later records win)."""
+    out: dict[str, float] = {}
+    for record in reply.content.metric_records.values():
+        for key, value in record.items():
+            if isinstance(value, (int, float)):
+                out[key] = float(value)
+    return out
+
+
+def decode_train_reply(
+    reply: Message,
+    slot: int,
+    spec: ArraySpec,
+    extra_specs: Mapping[str, ArraySpec] | None = None,
+    consume: bool = True,
+) -> tuple[ClientUpdate | None, str]:
+    """Decode and validate a train reply.
+
+    The model is the reply's ``arrays`` record; a reply that carries exactly one ArrayRecord
+    under another name is accepted too (Flower's own strategies accept any name). Each record
+    named in ``extra_specs`` must be present and match its spec.
+
+    Returns
+    -------
+    (update, "") when the reply is usable, (None, reason) otherwise. A reply is rejected when
+    it carries an error, misses a record, or any array's keys, shapes or dtypes differ from
+    the spec, or a floating-point array holds NaN or Inf.
+    """
+    node = reply.metadata.src_node_id
+    if reply.has_error():
+        return None, f"error reply: {reply.error.reason}"
+    records = reply.content.array_records
+    extra_specs = dict(extra_specs or {})
+    if ARRAYS in records:
+        model_record = records[ARRAYS]
+    elif not extra_specs and len(records) == 1:
+        model_record = next(iter(records.values()))
+    else:
+        return None, f"expected an ArrayRecord {ARRAYS!r}, got {sorted(records) or 'none'}"
+    missing = [name for name in extra_specs if name not in records]
+    if missing:
+        return None, f"missing record(s) {missing}"
+    try:
+        model = record_to_model(model_record, consume=consume)
+        extras = {name: record_to_model(records[name], consume=consume) for name in extra_specs}
+    except Exception as err:  # malformed bytes from a client must not stop the server
+        return None, f"arrays could not be decoded: {err}"
+    reason = check_arrays(model, spec)
+    if reason:
+        return None, reason
+    for name, extra_spec in extra_specs.items():
+        reason = check_arrays(extras[name], extra_spec)
+        if reason:
+            return None, f"{name}: {reason}"
+    metrics = reply_metrics(reply)
+    return ClientUpdate(node, slot, model, metrics.get(NUM_EXAMPLES, 0.0), metrics, extras), ""
+
+
+def weighted_metrics(metric_dicts: Iterable[Mapping[str, float]]) -> dict[str, float]:
+    """Example-weighted mean of every numeric metric the dicts share (``num-examples`` summed).
+
+    When no dict reports a positive ``num-examples``, every dict weighs the same.
+    """
+    records = [dict(m) for m in metric_dicts]
+    if not records:
+        return {}
+    weights = np.array([r.get(NUM_EXAMPLES, 0.0) for r in records], dtype=np.float64)
+    if weights.sum() <= 0:
+        weights = np.ones_like(weights)
+    shared = set(records[0]).intersection(*map(set, records[1:])) - {NUM_EXAMPLES}
+    out = {NUM_EXAMPLES: float(weights.sum())}
+    for key in sorted(shared):
+        values = np.array([rec[key] for rec in records], dtype=np.float64)
+        out[key] = float((values * weights).sum() / weights.sum())
+    return out
+
+
+def finite_or_none(value: Any) -> Any:
+    """``value``, or None for a non-finite float (JSON has no NaN/Inf)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+# ----------------------------------------------------------------------------- builders
+def server_message(
+    message_type: str,
+    node_id: int,
+    config: Mapping[str, Any],
+    arrays: ArrayRecord | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> Message:
+    """A server → node message: ``arrays`` (optional), its own ``config`` copy, extra records."""
+    content: dict[str, Any] = {}
+    if arrays is not None:
+        content[ARRAYS] = arrays
+    content[CONFIG] = ConfigRecord(dict(config))
+    content.update(extra or {})
+    return Message(content=RecordDict(content), message_type=message_type, dst_node_id=node_id)
+
+
+def reply_message(msg: Message, records: Mapping[str, Any]) -> Message:
+    """A node's reply carrying ``records``."""
+    return Message(content=RecordDict(dict(records)), reply_to=msg)
+
+
+def metric_record(metrics: Mapping[str, float]) -> MetricRecord:
+    """A MetricRecord of floats."""
+    return MetricRecord({key: float(value) for key, value in metrics.items()})

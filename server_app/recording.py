@@ -1,0 +1,138 @@
+"""Where a run writes, and how: the run directory, metrics lines, JSON files, plots.
+
+See :mod:`fedmm.results` for the files of a run directory. Every write either completes or
+leaves the previous content: a metrics line is appended with one ``write`` of the whole line
+and flushed to disk; JSON files are written to a temporary file and renamed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import os
+import tempfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import IO, Any
+
+import yaml
+
+from fedmm.errors import ConfigError
+from fedmm.results import CONFIG_FILE, METRICS_FILE, json_safe
+
+
+def run_dir_name(cfg: Mapping[str, Any]) -> str:
+    """``<timestamp>_<strategy>[+objective]_<dataset>_<partition>_s<seed>``."""
+    stamp = dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    objective = cfg.get("objective", {}).get("name", "ce")
+    method = cfg["strategy"]["name"] + ("" if objective == "ce" else f"+{objective}")
+    return f"{stamp}_{method}_{cfg['dataset']['name']}_{cfg['partition']['name']}_s{cfg['seed']}"
+
+
+def create_run_dir(cfg: Mapping[str, Any]) -> Path:
+    """Create the run's directory (absolute). Never reuses a directory that holds a run."""
+    if cfg.get("output_dir"):
+        path = Path(os.path.expanduser(str(cfg["output_dir"]))).resolve()
+        if (path / METRICS_FILE).exists():
+            raise ConfigError("output_dir", str(path), "a directory that does not already hold a run's metrics.jsonl (to continue that run: resume=<dir>)")
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+    root = Path(os.path.expanduser(str(cfg["results_root"]))).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    base = run_dir_name(cfg)
+    for attempt in range(1000):
+        path = root / (base if attempt == 0 else f"{base}-{attempt}")
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"could not create a fresh run directory under {root}")
+
+
+@contextlib.contextmanager
+def atomic_file(path: Path, mode: str = "w") -> Iterator[IO[Any]]:
+    """Open a temporary file beside ``path``; on success flush it to disk and rename it over
+    ``path`` (then sync the folder), so ``path`` is always the old content or the whole new one."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # the rename itself survives a power cut
+    finally:
+        os.close(dir_fd)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` as a whole."""
+    with atomic_file(path) as f:
+        f.write(text)
+
+
+class RunRecorder:
+    """Writes the files of one run as it goes.
+
+    ``history`` holds the metrics rows so far; ``federated`` the federated-evaluation metrics
+    by round. Both are part of a checkpoint, and :meth:`restore` puts them back on resume.
+    """
+
+    def __init__(self, path: Path, cfg: Mapping[str, Any]) -> None:
+        self.path = path
+        self.history: list[dict[str, Any]] = []
+        self.federated: dict[int, dict[str, float]] = {}
+        write_atomic(path / CONFIG_FILE, yaml.safe_dump(dict(cfg), sort_keys=False))
+
+    def restore(self, history: list[dict[str, Any]], federated: Mapping[int, Mapping[str, float]]) -> None:
+        """Continue from a checkpoint: ``metrics.jsonl`` is rewritten to exactly its rows (a
+        row written after the checkpoint, by the run that was stopped, is dropped)."""
+        self.history = [dict(row) for row in history]
+        self.federated = {int(r): dict(m) for r, m in federated.items()}
+        write_atomic(self.path / METRICS_FILE, "".join(json.dumps(json_safe(row)) + "\n" for row in self.history))
+
+    def log_metrics(self, row: Mapping[str, Any]) -> None:
+        """Append one evaluated round to ``metrics.jsonl`` (one write of the whole line, synced)."""
+        self.history.append(dict(row))
+        line = (json.dumps(json_safe(dict(row))) + "\n").encode("utf-8")
+        fd = os.open(self.path / METRICS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def write_json(self, name: str, data: Any) -> None:
+        """Write ``data`` as ``name`` (JSON, non-finite numbers as null), atomically."""
+        write_atomic(self.path / name, json.dumps(json_safe(data), indent=2))
+
+    def plot_learning_curve(self, title: str) -> Path:
+        """``learning_curve.png``: test accuracy and loss of the global model per round."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        out = self.path / "learning_curve.png"
+        rounds = [row["round"] for row in self.history]
+        fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(10, 4))
+        ax_acc.plot(rounds, [100 * row["accuracy"] for row in self.history], marker=".")
+        ax_acc.set_xlabel("round")
+        ax_acc.set_ylabel("test accuracy (%)")
+        ax_acc.grid(alpha=0.3)
+        ax_loss.plot(rounds, [row["loss"] for row in self.history], marker=".", color="tab:red")
+        ax_loss.set_xlabel("round")
+        ax_loss.set_ylabel("test loss")
+        ax_loss.grid(alpha=0.3)
+        fig.suptitle(title)
+        fig.tight_layout()
+        fig.savefig(out, dpi=100)
+        plt.close(fig)
+        return out
