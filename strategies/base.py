@@ -167,7 +167,7 @@ class RoundLoopStrategy(Strategy):
             if slot is None:
                 rejected.append(f"node {node}: reply to an unknown message")
                 continue
-            where = f"node {node} (model {self.model_for_slot(slot)})"
+            where = f"node {node}" + (f" (model {self.model_for_slot(slot)})" if self.models and len(self.models) > 1 else "")
             update, reason = protocol.decode_train_reply(reply, slot, self.spec, extras, consume=True)
             if update is None:
                 rejected.append(f"{where}: {reason}")

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from fedmm.results import read_metrics
 
@@ -88,8 +89,12 @@ def test_presets_give_the_recorded_results(tmp_path: Path, ray_env: dict) -> Non
     cmd = [str(BIN / "fedmm"), "-m", f"strategy={','.join(presets)}", "num_rounds=5", "seed=0", f"hydra.sweep.dir={sweep}"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=ray_env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs = sorted(p.parent for p in sweep.glob("*/metrics.jsonl"))
+    assert len(runs) == len(presets)  # one directory per job
     for job, preset in enumerate(presets):
         (run,) = sweep.glob(f"{job}_*")
+        saved = yaml.safe_load((run / "config.yaml").read_text())
+        assert saved["output_dir"] == str(run) and saved["num_rounds"] == 5  # the job's own config
         assert_same_results(read_metrics(run), fixture(preset), LOSS_RTOL.get(preset, 0.0))
 
 

@@ -1,4 +1,5 @@
-"""Real Flower simulations (Ray backend): `flwr run`, `fedmm -m`, and FedMR with a failing client.
+"""Real Flower simulations (Ray backend): `flwr run`, FedMR / FedCross with a failing client, an
+objective preset with federated evaluation (`fedmm -m` sweeps run in tests/test_same_results.py).
 
 These are the slow tests of the suite (tens of seconds each): tiny federations, few rounds.
 """
@@ -86,21 +87,6 @@ def test_flwr_run_simulation_writes_metrics(tmp_path: Path) -> None:
     assert "num_clients: 4" in (out / "config.yaml").read_text()
 
 
-def test_fedmm_multirun_writes_one_directory_per_job(tmp_path: Path) -> None:
-    sweep = tmp_path / "sweep"
-    cmd = [
-        str(BIN / "fedmm"), "-m", "seed=0,1", "num_rounds=1", "num_clients=4", "clients_per_round=2",
-        "training.local_epochs=1", f"hydra.sweep.dir={sweep}",
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    runs = sorted(p.parent for p in sweep.glob("*/metrics.jsonl"))
-    assert len(runs) == 2
-    assert {"seed: 0", "seed: 1"} == {next(l for l in (r / "config.yaml").read_text().splitlines() if l.startswith("seed:")) for r in runs}
-    for run in runs:
-        assert [r["round"] for r in read_metrics(run)] == [0, 1]
-
-
 @pytest.mark.parametrize("strategy", ["fedmr", "fedcross"])
 def test_multimodel_simulation_dispatch_stages_and_failing_client(tmp_path: Path, strategy: str) -> None:
     """K = N = 3 so every node trains every round; partition 0 always fails."""
@@ -137,7 +123,7 @@ def test_multimodel_simulation_dispatch_stages_and_failing_client(tmp_path: Path
         assert {name.split("/")[0] for name in pool.files} == {"0", "1", "2"}  # still K models
 
 
-@pytest.mark.parametrize("preset", ["fedprox", "fedrl"])
+@pytest.mark.parametrize("preset", ["fedprox"])  # FedRL's preset runs in tests/test_same_results.py
 def test_objective_presets_run_in_a_real_simulation(tmp_path: Path, preset: str) -> None:
     from fedmm.cli import run_job
 

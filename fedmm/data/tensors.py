@@ -84,9 +84,6 @@ class TensorData:
         if isinstance(self.transform, ImageNormalize):
             if self.x.dtype != torch.uint8 or self.x.ndim != 4:
                 raise ValueError(f"images must be uint8 [N, C, H, W], got {self.x.dtype} {tuple(self.x.shape)}")
-            channels = self.x.shape[1]
-            if self.transform.mean.numel() not in (1, channels):
-                raise ValueError(f"mean and std need 1 or {channels} values")
         if self.x.ndim < 1:
             raise ValueError("x needs a first (sample) dimension")
         if self.y.dtype != torch.int64 or self.y.ndim != 1:
@@ -137,6 +134,8 @@ def batches(
     if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
     n = len(data)
+    if isinstance(data.transform, ImageNormalize) and data.transform.mean.numel() not in (1, data.x.shape[1]):
+        raise ValueError(f"mean and std need 1 or {data.x.shape[1]} values")
     transform = data.transform.prepare(device)
     x_all, y_all = data.x.to(device), data.y.to(device)
     if shuffle:
