@@ -22,6 +22,7 @@ os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 
 import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from fedmm import config as config_mod  # noqa: E402
@@ -53,19 +54,39 @@ def run_job(cfg: dict[str, Any]) -> Path:
 
     @server_app.main()
     def _main(grid: Grid, context: Context) -> None:
-        out["dir"] = run_experiment(grid, cfg)
+        try:
+            out["dir"] = run_experiment(grid, cfg)
+        except BaseException as err:  # Flower logs it and returns: keep it to fail the job
+            out["error"] = err
+            raise
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        run_simulation(
-            server_app=server_app,
-            client_app=client_app,
-            num_supernodes=int(cfg["simulation"]["num_supernodes"]),
-            backend_config=backend_config(cfg),
-        )
+        try:
+            run_simulation(
+                server_app=server_app,
+                client_app=client_app,
+                num_supernodes=int(cfg["simulation"]["num_supernodes"]),
+                backend_config=backend_config(cfg),
+            )
+        except Exception as err:  # the ServerApp's own error, re-raised by the simulation
+            out.setdefault("error", err)
+    if "error" in out:
+        err = out["error"]
+        if isinstance(err, KeyboardInterrupt):
+            raise err
+        raise JobFailed(f"{type(err).__name__}: {err}") from err
     if "dir" not in out:
-        raise RuntimeError("the simulation ended before the experiment finished; see the log above")
+        raise JobFailed("the simulation ended before the experiment finished (the simulation runtime failed; see the log above)")
     return out["dir"]
+
+
+class JobFailed(RuntimeError):
+    """A job of ``fedmm`` did not complete; the message says why."""
+
+
+#: (job directory, reason) of every failed job of this process (a multirun sweep goes on).
+FAILED_JOBS: list[tuple[str, str]] = []
 
 
 def register_schemas() -> None:
@@ -94,10 +115,22 @@ def _hydra_main(cfg: DictConfig) -> None:
     # Flower logs to its own console handler; stop hydra's root handler from printing it twice.
     logging.getLogger("flwr").propagate = False
     print(f"fedmm: results -> {resolved['output_dir']}", flush=True)
-    run_dir = run_job(resolved)
+    try:
+        run_dir = run_job(resolved)
+    except JobFailed as err:
+        FAILED_JOBS.append((str(resolved["output_dir"]), str(err)))
+        print(f"fedmm: FAILED {resolved['output_dir']}: {err}", flush=True)
+        if HydraConfig.get().mode != RunMode.MULTIRUN:
+            raise SystemExit(1) from None
+        return  # a sweep goes on with its next job and fails at the end
     print(f"fedmm: results written to {run_dir}", flush=True)
 
 
 def main() -> None:
-    """Console-script entry point."""
+    """Console-script entry point: exits non-zero when any job of the run or sweep failed."""
     _hydra_main()
+    if FAILED_JOBS:
+        print(f"fedmm: {len(FAILED_JOBS)} job(s) failed:", flush=True)
+        for job_dir, reason in FAILED_JOBS:
+            print(f"  {job_dir}: {reason}", flush=True)
+        raise SystemExit(1)

@@ -50,7 +50,7 @@ SCALAR_KEYS = (
     "num_rounds", "seed", "eval_every", "num_clients", "clients_per_round", "output_dir", "checkpoint_every", "resume",
 )
 #: Top-level keys set only in conf/ or by hydra overrides.
-OTHER_KEYS = ("round_timeout", "results_root")
+OTHER_KEYS = ("round_timeout", "results_root", "max_failed_rounds")
 
 
 # =============================================================================== schema
@@ -240,6 +240,7 @@ _TOP_SCHEMA: dict[str, Field] = {
     "num_clients": Int(min=1),
     "clients_per_round": AnyValue(),  # bounded by num_clients, checked below
     "round_timeout": Number(gt=0, allowed="seconds > 0"),
+    "max_failed_rounds": Int(min=0, allowed="an integer >= 0 (0: never stop for lack of replies)"),
     "results_root": Str(),
     "output_dir": Nullable(Str(), "null or a directory path"),
     "checkpoint_every": Int(min=0, allowed="an integer >= 0 (0: only at the end)"),
@@ -387,7 +388,7 @@ def validate(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
 
 # =============================================================================== resume
 #: Keys a resumed run may change: it continues the run's own config otherwise.
-RESUME_CHANGEABLE = ("num_rounds", "checkpoint_every", "round_timeout", "simulation")
+RESUME_CHANGEABLE = ("num_rounds", "checkpoint_every", "round_timeout", "max_failed_rounds", "simulation")
 
 
 def resume_config(run_dir: str | os.PathLike, changes: Mapping[str, Any] | Sequence[str] = ()) -> dict[str, Any]:

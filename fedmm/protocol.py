@@ -193,7 +193,7 @@ def decode_train_reply(
     """
     node = reply.metadata.src_node_id
     if reply.has_error():
-        return None, f"error reply: {reply.error.reason}"
+        return None, f"client error: {client_error(reply.error.reason)}"
     records = reply.content.array_records
     extra_specs = dict(extra_specs or {})
     if ARRAYS in records:
@@ -218,7 +218,49 @@ def decode_train_reply(
         if reason:
             return None, f"{name}: {reason}"
     metrics = reply_metrics(reply)
-    return ClientUpdate(node, slot, model, metrics.get(NUM_EXAMPLES, 0.0), metrics, extras), ""
+    reason = check_metrics(metrics)
+    if reason:
+        return None, reason
+    return ClientUpdate(node, slot, model, metrics[NUM_EXAMPLES], metrics, extras), ""
+
+
+#: The largest ``num-examples`` a reply may report (a count of examples, not a weight to game).
+MAX_NUM_EXAMPLES = 2**31 - 1
+
+
+def check_metrics(metrics: Mapping[str, float]) -> str:
+    """Why a train reply's metrics are unusable, or ``""``: ``num-examples`` must be a whole
+    number in [1, 2**31 - 1] (it weighs the client's model), every metric finite."""
+    for key, value in metrics.items():
+        if not math.isfinite(value):
+            return f"metric {key}={value} is not finite"
+    if NUM_EXAMPLES not in metrics:
+        return f"no {NUM_EXAMPLES} in the reply's metrics"
+    n = metrics[NUM_EXAMPLES]
+    if n < 1 or n > MAX_NUM_EXAMPLES or n != int(n):
+        return f"{NUM_EXAMPLES}={n!r} is not a count of examples (a whole number from 1 to {MAX_NUM_EXAMPLES})"
+    return ""
+
+
+def client_error(reason: str) -> str:
+    """The client's own exception from an error reply's reason, as ``Name: message``.
+
+    A deployed SuperNode's reason is ``<class 'pkg.Name'>:<'message'>``; the simulation engine's
+    wraps a Ray traceback whose first exception line is the client's own exception (followed by
+    Flower's ``ClientAppException`` and Ray's wrappers). Falls back to the reason's last line.
+    """
+    import re
+
+    wrapped = re.fullmatch(r"<class '([\w.]+)'>:<'(.*)'>", reason.strip(), flags=re.S)
+    if wrapped:
+        return f"{wrapped.group(1).rsplit('.', 1)[-1]}: {wrapped.group(2).strip()}"
+    wrappers = ("ClientAppException", "RayTaskError", "RayActorError")
+    lines = [line.strip() for line in reason.strip().splitlines() if line.strip()]
+    for line in lines:
+        found = re.match(r"^(?:[\w.]+\.)?(\w*(?:Error|Exception|Interrupt|Exit))(?::\s*(.*))?$", line)
+        if found and found.group(1) not in wrappers:
+            return f"{found.group(1)}: {found.group(2) or ''}".rstrip(": ")
+    return lines[-1] if lines else reason
 
 
 def weighted_metrics(metric_dicts: Iterable[Mapping[str, float]]) -> dict[str, float]:

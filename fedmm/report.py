@@ -2,12 +2,16 @@
 
     python -m fedmm.report multirun/2026-11-21/14-06-31 --out docs/results/compare
 
-Groups the runs under the sweep directory by method (strategy + objective + first-stage /
-acceleration settings) and partition, and reports the final and best test accuracy, the
-model bytes per round and, with ``--reference``, the rounds each method needs to reach the
-reference method's final accuracy (its accuracy at the last round, same seed) and the speed-up:
-the rounds the reference itself first needs for that accuracy / the rounds the method needs
-(the FedRL paper's Table 2).
+Groups the runs under the sweep directory by every config key that differs between them (the
+seed and the run's own paths excepted): never averaging runs of different datasets, models or
+learning rates. Reports the final and best test accuracy (best over rounds >= 1), mean ± sample
+std (ddof = 1) with the number of seeds, the model bytes per round and, with ``--reference``,
+the rounds each method needs to reach the reference method's final accuracy (its accuracy at the
+last round, same seed) and the speed-up: the rounds the reference itself first needs for that
+accuracy / the rounds the method needs (the FedRL paper's Table 2).
+
+Only completed runs count (``summary.json`` says ``status: completed`` and ``metrics.jsonl``
+reaches ``num_rounds``); every other run is listed as refused.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from fedmm.results import read_metrics
+from fedmm.results import SUMMARY_FILE, read_metrics
 
 
 def method_label(cfg: dict[str, Any]) -> str:
@@ -45,15 +49,60 @@ def partition_label(cfg: dict[str, Any]) -> str:
     return f"Dir({p['alpha']})" if p["name"] == "dirichlet" else p["name"]
 
 
-def load_runs(sweep: Path) -> list[dict[str, Any]]:
+#: Config keys that never tell runs apart: the seed is what the table averages over.
+IGNORED_KEYS = ("seed", "output_dir", "resume", "results_root", "checkpoint_every", "round_timeout",
+                "max_failed_rounds", "simulation.num_supernodes", "simulation.client_cpus", "simulation.client_gpus")
+
+
+def load_runs(sweep: Path, refused: list[tuple[Path, str]] | None = None) -> list[dict[str, Any]]:
+    """The completed runs under ``sweep``; every other run goes to ``refused`` with the reason."""
     runs = []
-    for metrics in sorted(sweep.rglob("metrics.jsonl")):
-        cfg = yaml.safe_load((metrics.parent / "config.yaml").read_text())
-        rows = read_metrics(metrics)
+    refused = refused if refused is not None else []
+    for config_file in sorted(sweep.rglob("config.yaml")):
+        run_dir = config_file.parent
+        if run_dir.name == ".hydra":
+            continue
+        cfg = yaml.safe_load(config_file.read_text())
+        summary_file = run_dir / SUMMARY_FILE
+        summary = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
+        status = summary.get("status", "unknown (no summary.json status)")
+        if status != "completed":
+            refused.append((run_dir, f"status {status}" + (f": {summary['reason']}" if summary.get("reason") else "")))
+            continue
+        rows = read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
         if not rows or rows[-1]["round"] != cfg["num_rounds"]:
-            continue  # unfinished run
-        runs.append({"cfg": cfg, "rows": rows, "dir": metrics.parent})
+            refused.append((run_dir, f"metrics.jsonl stops at round {rows[-1]['round'] if rows else '-'} of {cfg['num_rounds']}"))
+            continue
+        runs.append({"cfg": cfg, "rows": rows, "dir": run_dir})
     return runs
+
+
+def flat(cfg: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Dotted keys of a nested config."""
+    out: dict[str, Any] = {}
+    for key, value in cfg.items():
+        if isinstance(value, dict):
+            out.update(flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = json.dumps(value, sort_keys=True) if isinstance(value, (list, dict)) else value
+    return out
+
+
+def differing_keys(runs: list[dict[str, Any]]) -> list[str]:
+    """Config keys whose values differ between runs (IGNORED_KEYS excepted)."""
+    flats = [flat(r["cfg"]) for r in runs]
+    keys = sorted(set().union(*flats))
+    return [k for k in keys if k not in IGNORED_KEYS and len({repr(f.get(k)) for f in flats}) > 1]
+
+
+#: Keys already shown by the partition and method columns.
+_SHOWN = ("partition.", "strategy.", "objective.")
+
+
+def setting_label(cfg: dict[str, Any], keys: list[str]) -> str:
+    """The differing keys the partition and method columns do not show, as ``key=value``."""
+    f = flat(cfg)
+    return ", ".join(f"{k}={f.get(k)}" for k in keys if not k.startswith(_SHOWN)) or "—"
 
 
 def rounds_to_reach(rows: list[dict[str, Any]], target: float) -> int | None:
@@ -63,25 +112,41 @@ def rounds_to_reach(rows: list[dict[str, Any]], target: float) -> int | None:
     return None
 
 
+def _mean_std(values: np.ndarray) -> str:
+    std = values.std(ddof=1) if len(values) > 1 else 0.0
+    return f"{values.mean():.2f} ± {std:.2f}" if len(values) > 1 else f"{values.mean():.2f}"
+
+
 def summarise(runs: list[dict[str, Any]], reference: str | None) -> tuple[str, dict]:
-    groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    """The markdown table and its data: one row per group of runs that differ only in the seed."""
+    keys = differing_keys(runs)
+    groups: dict[tuple[str, str, str], list[dict]] = defaultdict(list)
     for run in runs:
-        groups[(partition_label(run["cfg"]), method_label(run["cfg"]))].append(run)
-    lines = ["| partition | method | seeds | final acc. (%) | best acc. (%) | MB sent / round | seconds / round |"
+        f = flat(run["cfg"])
+        group_key = tuple((k, repr(f.get(k))) for k in keys)
+        groups[(partition_label(run["cfg"]), method_label(run["cfg"]), repr(group_key))].append(run)
+    by_setting: dict[tuple[str, str, str], list[dict]] = {}
+    for (part, method, _), group in groups.items():
+        setting = setting_label(group[0]["cfg"], keys)
+        if (part, method, setting) in by_setting:  # two groups with one label: show the group key
+            setting = f"{setting} [{len(by_setting)}]"
+        by_setting[(part, method, setting)] = group
+    lines = ["| partition | method | setting | n | final acc. (%) | best acc. (%) | MB sent / round | seconds / round |"
              + (f" rounds to {reference}'s final acc. | speed-up |" if reference else ""),
-             "|---|---|---|---|---|---|---|" + ("---|---|" if reference else "")]
+             "|---|---|---|---|---|---|---|---|" + ("---|---|" if reference else "")]
     data = {}
-    for (part, method), group in sorted(groups.items()):
+    for (part, method, setting), group in sorted(by_setting.items()):
         final = np.array([100 * g["rows"][-1]["accuracy"] for g in group])
-        best = np.array([100 * max(r["accuracy"] for r in g["rows"]) for g in group])
+        best = np.array([100 * max(r["accuracy"] for r in g["rows"] if r["round"] >= 1) for g in group])
         last = group[0]["rows"][-1]
         mb_round = last["bytes_sent"] / last["round"] / 2**20
         sec_round = np.mean([(g["rows"][-1]["seconds"] - g["rows"][1]["seconds"]) / max(1, g["rows"][-1]["round"] - 1) for g in group])
-        row = (f"| {part} | {method} | {len(group)} | {final.mean():.2f} ± {final.std():.2f} | {best.mean():.2f} ± {best.std():.2f} "
+        row = (f"| {part} | {method} | {setting} | {len(group)} | {_mean_std(final)} | {_mean_std(best)} "
                f"| {mb_round:.2f} | {sec_round:.1f} |")
-        entry = {"final": final.tolist(), "best": best.tolist(), "mb_per_round": mb_round, "seconds_per_round": sec_round}
+        entry = {"final": final.tolist(), "best": best.tolist(), "n": len(group), "mb_per_round": mb_round,
+                 "seconds_per_round": sec_round}
         if reference:
-            ref_group = groups.get((part, reference), [])
+            ref_group = by_setting.get((part, reference, setting), [])
             if ref_group:
                 speeds = []
                 for g in group:
@@ -97,7 +162,8 @@ def summarise(runs: list[dict[str, Any]], reference: str | None) -> tuple[str, d
                 row += f" {', '.join(str(r) if r else '—' for r in rounds)} | {np.mean(ups):.2f}× |" if ups else f" {', '.join('—' for _ in rounds)} | — |"
                 entry["rounds_to_reference"] = rounds
         lines.append(row)
-        data[f"{part} / {method}"] = entry
+        label = f"{part} / {method}" + ("" if setting == "—" else f" / {setting}")
+        data[label] = entry
     return "\n".join(lines), data
 
 
@@ -107,13 +173,16 @@ def plot(runs: list[dict[str, Any]], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    keys = differing_keys(runs)
     parts = sorted({partition_label(r["cfg"]) for r in runs})
     fig, axes = plt.subplots(1, len(parts), figsize=(6 * len(parts), 4.5), squeeze=False)
     for ax, part in zip(axes[0], parts):
         curves: dict[str, list] = defaultdict(list)
         for run in runs:
             if partition_label(run["cfg"]) == part:
-                curves[method_label(run["cfg"])].append([100 * r["accuracy"] for r in run["rows"]])
+                setting = setting_label(run["cfg"], keys)
+                label = method_label(run["cfg"]) + ("" if setting == "—" else f" ({setting})")
+                curves[label].append([100 * r["accuracy"] for r in run["rows"]])
         for method, accs in sorted(curves.items()):
             n = min(len(a) for a in accs)
             mean = np.mean([a[:n] for a in accs], axis=0)
@@ -134,9 +203,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="output prefix: writes <out>.md, <out>.json, <out>.png")
     parser.add_argument("--reference", default=None, help="method whose final accuracy is the target, e.g. FedAvg")
     args = parser.parse_args()
-    runs = load_runs(args.sweep)
+    refused: list[tuple[Path, str]] = []
+    runs = load_runs(args.sweep, refused)
+    for run_dir, reason in refused:
+        print(f"refused {run_dir}: {reason}")
     if not runs:
-        raise SystemExit(f"no finished runs under {args.sweep}")
+        raise SystemExit(f"no completed runs under {args.sweep}")
     table, data = summarise(runs, args.reference)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".md").write_text(table + "\n")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Mapping
-from logging import INFO, WARNING
+from logging import ERROR, INFO, WARNING
 from pathlib import Path
 from typing import Any
 
@@ -120,87 +120,92 @@ def run_experiment(grid: Grid, cfg_in: Mapping[str, Any], simulation: bool = Tru
         run_dir = create_run_dir(cfg)
     log(INFO, "fedmm run directory: %s", run_dir)
     recorder = RunRecorder(run_dir, cfg)
-    seed_everything(int(cfg["seed"]))
-
-    d = cfg["dataset"]
-    train, test = load_dataset(d)
-    if simulation and checkpoint is None:
-        parts = partition_indices(train, cfg["partition"], cfg["num_clients"], int(cfg["seed"]))
-        hist = label_histograms(train.y.numpy(), parts, int(d["num_classes"]))
-        recorder.write_json("label_histograms.json", hist.tolist())
-        plot_label_histograms(hist, run_dir / "label_histograms.png")
-
-    model = build_model(cfg["model"]["name"], input_spec(d))
-    strategy = build_strategy(cfg)
     counting = CountingGrid(grid)
-    device = resolve_device(cfg["training"]["device"])
-    num_rounds, eval_every = int(cfg["num_rounds"]), int(cfg["eval_every"])
-    checkpoint_every = int(cfg["checkpoint_every"])
-    start_round, seconds_before = 1, 0.0
-    if checkpoint is not None:
-        strategy.load_state_dict(checkpoint["strategy"])
-        restore_rng_states(checkpoint["rng"])
-        recorder.restore(checkpoint["metrics"], checkpoint["federated"])
-        counting.bytes_sent, counting.bytes_received = checkpoint["bytes_sent"], checkpoint["bytes_received"]
-        seconds_before = float(checkpoint["seconds"])
-        start_round = int(checkpoint["round"]) + 1
-        log(INFO, "fedmm: resuming at round %d/%d from %s", start_round, num_rounds, run_dir)
-    t0 = time.perf_counter() - seconds_before
+    num_rounds = int(cfg["num_rounds"])
+    t0 = time.perf_counter()
+    # The state after the last completed round (the server's arrays are never written in place,
+    # so references suffice): what a checkpoint holds, also when the run is interrupted mid-round.
+    last: dict[str, Any] = {"round": 0, "saved": 0, "state": None}
+    status: dict[str, Any] = {"status": "failed", "reason": "the run stopped before its first round"}
+    try:
+        seed_everything(int(cfg["seed"]))
 
-    def central_evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
-        if server_round % eval_every and server_round != num_rounds:
-            return None
-        model.load_state_dict(arrays.to_torch_state_dict())
-        metrics = evaluate_model(model, test, device)
-        elapsed = time.perf_counter() - t0
-        row = {
-            "round": server_round,
-            "accuracy": metrics["accuracy"],
-            "loss": metrics["loss"],
-            "seconds": round(elapsed, 3),
-            "bytes_sent": counting.bytes_sent,
-            "bytes_received": counting.bytes_received,
-        }
-        if server_round > 0:
-            row["replies"] = strategy.last_replies
-        recorder.log_metrics(row)
-        left = f"~{elapsed / server_round * (num_rounds - server_round):.0f}s left" if server_round else "starting"
-        log(
-            INFO,
-            "[fedmm] round %d/%d  accuracy %.4f  loss %.4f  elapsed %.1fs  %s",
-            server_round,
-            num_rounds,
-            metrics["accuracy"],
-            metrics["loss"],
-            elapsed,
-            left,
-        )
-        return MetricRecord({"accuracy": metrics["accuracy"], "loss": metrics["loss"]})
+        d = cfg["dataset"]
+        train, test = load_dataset(d)
+        if simulation and checkpoint is None:
+            parts = partition_indices(train, cfg["partition"], cfg["num_clients"], int(cfg["seed"]))
+            hist = label_histograms(train.y.numpy(), parts, int(d["num_classes"]))
+            recorder.write_json("label_histograms.json", hist.tolist())
+            plot_label_histograms(hist, run_dir / "label_histograms.png")
 
-    def write_checkpoint(server_round: int) -> None:
-        save_checkpoint(
-            run_dir,
-            {
+        model = build_model(cfg["model"]["name"], input_spec(d))
+        strategy = build_strategy(cfg)
+        device = resolve_device(cfg["training"]["device"])
+        eval_every = int(cfg["eval_every"])
+        checkpoint_every = int(cfg["checkpoint_every"])
+        start_round, seconds_before = 1, 0.0
+        if checkpoint is not None:
+            strategy.load_state_dict(checkpoint["strategy"])
+            restore_rng_states(checkpoint["rng"])
+            recorder.restore(checkpoint["metrics"], checkpoint["federated"])
+            counting.bytes_sent, counting.bytes_received = checkpoint["bytes_sent"], checkpoint["bytes_received"]
+            seconds_before = float(checkpoint["seconds"])
+            start_round = int(checkpoint["round"]) + 1
+            log(INFO, "fedmm: resuming at round %d/%d from %s", start_round, num_rounds, run_dir)
+        t0 = time.perf_counter() - seconds_before
+
+        def central_evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+            if server_round % eval_every and server_round != num_rounds:
+                return None
+            model.load_state_dict(arrays.to_torch_state_dict())
+            metrics = evaluate_model(model, test, device)
+            elapsed = time.perf_counter() - t0
+            row = {
+                "round": server_round,
+                "accuracy": metrics["accuracy"],
+                "loss": metrics["loss"],
+                "seconds": round(elapsed, 3),
+                "bytes_sent": counting.bytes_sent,
+                "bytes_received": counting.bytes_received,
+            }
+            if server_round > 0:
+                row["replies"] = strategy.last_replies
+            recorder.log_metrics(row)
+            left = f"~{elapsed / server_round * (num_rounds - server_round):.0f}s left" if server_round else "starting"
+            log(
+                INFO,
+                "[fedmm] round %d/%d  accuracy %.4f  loss %.4f  elapsed %.1fs  %s",
+                server_round,
+                num_rounds,
+                metrics["accuracy"],
+                metrics["loss"],
+                elapsed,
+                left,
+            )
+            return MetricRecord({"accuracy": metrics["accuracy"], "loss": metrics["loss"]})
+
+        last["round"] = last["saved"] = start_round - 1
+
+        def round_end(server_round: int, arrays: ArrayRecord, result: Result) -> None:
+            federated = result.evaluate_metrics_clientapp.get(server_round)
+            if federated is not None:
+                recorder.federated[server_round] = dict(federated)
+            last["round"] = server_round
+            last["state"] = {
                 "round": server_round,
                 "strategy": strategy.state_dict(),
                 "rng": rng_states(),
-                "metrics": recorder.history,
-                "federated": recorder.federated,
+                "metrics": [dict(row) for row in recorder.history],
+                "federated": dict(recorder.federated),
                 "bytes_sent": counting.bytes_sent,
                 "bytes_received": counting.bytes_received,
                 "seconds": time.perf_counter() - t0,
-            },
-        )
+            }
+            if server_round == num_rounds or (checkpoint_every and server_round % checkpoint_every == 0):
+                save_checkpoint(run_dir, last["state"])
+                last["saved"] = server_round
 
-    def round_end(server_round: int, arrays: ArrayRecord, result: Result) -> None:
-        federated = result.evaluate_metrics_clientapp.get(server_round)
-        if federated is not None:
-            recorder.federated[server_round] = dict(federated)
-        if server_round == num_rounds or (checkpoint_every and server_round % checkpoint_every == 0):
-            write_checkpoint(server_round)
-
-    run_config = ConfigRecord({protocol.RUN_CONFIG: protocol.run_config_record(cfg)})
-    try:
+        run_config = ConfigRecord({protocol.RUN_CONFIG: protocol.run_config_record(cfg)})
         result = strategy.start(
             grid=counting,
             initial_arrays=ArrayRecord(model.state_dict()),
@@ -211,6 +216,7 @@ def run_experiment(grid: Grid, cfg_in: Mapping[str, Any], simulation: bool = Tru
             evaluate_fn=central_evaluate,
             start_round=start_round,
             round_end=round_end,
+            max_failed_rounds=int(cfg["max_failed_rounds"]) or None,
         )
         if recorder.federated:
             recorder.write_json("federated_evaluation.json", {str(r): m for r, m in sorted(recorder.federated.items())})
@@ -219,12 +225,26 @@ def run_experiment(grid: Grid, cfg_in: Mapping[str, Any], simulation: bool = Tru
         if isinstance(strategy, MultiModelStrategy):
             pool = strategy.pool()
             np.savez(run_dir / "final_models.npz", **{f"{i}/{k}": v for i, m in enumerate(pool) for k, v in m.items()})
+        status = {"status": "completed"}
+    except KeyboardInterrupt:
+        status = {"status": "interrupted", "reason": f"interrupted after round {last['round']} (resume=<this run dir> continues it)"}
+        raise
+    except BaseException as err:
+        status = {"status": "failed", "reason": f"{type(err).__name__}: {err}"}
+        raise
     finally:
+        if last["state"] is not None and last["saved"] < last["round"]:
+            save_checkpoint(run_dir, last["state"])  # an interrupted or failed run can be resumed
+        if status["status"] != "completed":
+            log(ERROR, "fedmm run %s: %s", status["status"], status.get("reason", ""))
         if recorder.history:
-            recorder.plot_learning_curve(f"{cfg['strategy']['name']} · {d['name']} · {cfg['partition']['name']} · seed {cfg['seed']}")
+            recorder.plot_learning_curve(f"{cfg['strategy']['name']} · {cfg['dataset']['name']} · {cfg['partition']['name']} · seed {cfg['seed']}")
         recorder.write_json(
             "summary.json",
             {
+                **status,
+                "rounds_completed": last["round"],
+                "num_rounds": num_rounds,
                 "final_accuracy": recorder.history[-1]["accuracy"] if recorder.history else None,
                 "best_accuracy": max((r["accuracy"] for r in recorder.history), default=None),
                 "seconds": round(time.perf_counter() - t0, 3),

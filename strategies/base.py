@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Mapping
-from logging import INFO, WARNING
+from logging import ERROR, INFO, WARNING
 from typing import Any
 
 import numpy as np
@@ -35,6 +35,18 @@ from flwr.supercore import log
 from fedmm import protocol
 from fedmm.protocol import ClientUpdate, ModelDict
 from strategies.selection import ClientSelector, SeededRosterSelector
+
+def non_finite_key(model: ModelDict | None) -> str | None:
+    """The first key of ``model`` holding NaN or Inf, or None."""
+    for key, value in (model or {}).items():
+        if np.issubdtype(value.dtype, np.floating) and not np.isfinite(value).all():
+            return key
+    return None
+
+
+class RunFailed(RuntimeError):
+    """The run cannot go on (e.g. no client reply was accepted for ``max_failed_rounds`` rounds)."""
+
 
 #: Called after every round with (round, global arrays, result so far).
 RoundEnd = Callable[[int, ArrayRecord, Result], None]
@@ -75,6 +87,7 @@ class RoundLoopStrategy(Strategy):
         self.global_model: ModelDict | None = None
         self.spec: protocol.ArraySpec | None = None
         self.last_replies = 0
+        self.last_rejections: list[str] = []
         self._pending: list[Message] = []
 
     # ================================================================== method hooks
@@ -161,25 +174,30 @@ class RoundLoopStrategy(Strategy):
         updates: list[ClientUpdate] = []
         seen: set[int] = set()
         rejected: list[str] = []
+        replies = list(replies)
         for reply in replies:
             slot = slot_of.get(reply.metadata.reply_to_message_id)
             node = reply.metadata.src_node_id
             if slot is None:
                 rejected.append(f"node {node}: reply to an unknown message")
                 continue
-            where = f"node {node}" + (f" (model {self.model_for_slot(slot)})" if self.models and len(self.models) > 1 else "")
+            where = self._where(node, slot)
+            seen.add(slot)
             update, reason = protocol.decode_train_reply(reply, slot, self.spec, extras, consume=True)
             if update is None:
                 rejected.append(f"{where}: {reason}")
                 continue
-            if slot in seen:
+            if any(u.slot == slot for u in updates):
                 rejected.append(f"{where}: duplicate reply")
                 continue
-            seen.add(slot)
             updates.append(update)
+        for slot, msg in enumerate(self._pending):
+            if slot not in seen:
+                rejected.append(f"{self._where(msg.metadata.dst_node_id, slot)}: no reply within the round timeout")
         self._pending = []
         updates.sort(key=lambda u: u.slot)
         self.last_replies = len(updates)
+        self.last_rejections = rejected
         log(INFO, "round %d: %d/%d replies accepted", server_round, len(updates), self.clients_per_round)
         for reason in rejected:
             log(WARNING, "\t> rejected: %s", reason)
@@ -187,11 +205,29 @@ class RoundLoopStrategy(Strategy):
             self.on_update(server_round, update)
         metrics = protocol.weighted_metrics(u.metrics for u in updates) if updates else {}
         metrics["replies"] = float(len(updates))
+        previous = (list(self.models or []), self.global_model)
         global_model = self.aggregate(server_round, updates)
+        bad = non_finite_key(global_model) or next((k for m in self.models or [] if (k := non_finite_key(m))), None)
+        if bad:
+            # never let a non-finite aggregate replace the models: keep the previous ones
+            self.models, self.global_model = previous
+            log(ERROR, "round %d: the aggregate has NaN/Inf in %s; the models of the previous round are kept", server_round, bad)
+            self.last_replies = 0
+            metrics["replies"] = 0.0
+            return None, MetricRecord(metrics)
         if global_model is not None:
             self.global_model = global_model
+        # The server's arrays are never written in place from here on, so a state_dict() taken
+        # after a round stays that round's state (checkpoints, the non-finite fallback above).
+        for model in [*(self.models or []), self.global_model or {}]:
+            for value in model.values():
+                value.setflags(write=False)
         arrays = None if global_model is None else protocol.model_to_record(global_model)
         return arrays, MetricRecord(metrics)
+
+    def _where(self, node: int, slot: int) -> str:
+        """How log lines name a node: with the model index when the server keeps several models."""
+        return f"node {node}" + (f" (model {self.model_for_slot(slot)})" if self.models and len(self.models) > 1 else "")
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -242,11 +278,14 @@ class RoundLoopStrategy(Strategy):
         *,
         start_round: int = 1,
         round_end: RoundEnd | None = None,
+        max_failed_rounds: int | None = None,
     ) -> Result:
         """Run rounds ``start_round`` .. ``num_rounds``.
 
         With ``start_round > 1`` the strategy continues from its current state (restored with
-        :meth:`load_state_dict`): no initial evaluation, ``initial_arrays`` is ignored.
+        :meth:`load_state_dict`): no initial evaluation, ``initial_arrays`` is ignored. After
+        ``max_failed_rounds`` consecutive rounds in which no reply was accepted, raise
+        :class:`RunFailed` (None: never).
         """
         log(INFO, "Starting %s strategy (rounds %d..%d):", type(self).__name__, start_round, num_rounds)
         self.summary()
@@ -265,9 +304,18 @@ class RoundLoopStrategy(Strategy):
                 raise RuntimeError(f"start_round={start_round} needs the strategy's state: call load_state_dict first")
             arrays = protocol.model_to_record(self.global_model)
             result.arrays = arrays
+        failed_rounds = 0
         for current_round in range(max(1, start_round), num_rounds + 1):
             log(INFO, "[ROUND %s/%s]", current_round, num_rounds)
             agg_arrays, train_metrics = self.run_round(current_round, grid, arrays, train_config, timeout)
+            failed_rounds = failed_rounds + 1 if self.last_replies == 0 else 0
+            if max_failed_rounds and failed_rounds >= max_failed_rounds:
+                first = current_round - failed_rounds + 1
+                why = self.last_rejections[0] if self.last_rejections else "no node was selected"
+                raise RunFailed(
+                    f"no client reply was accepted in {failed_rounds} consecutive rounds ({first}..{current_round}; "
+                    f"max_failed_rounds={max_failed_rounds}); e.g. {why}"
+                )
             if agg_arrays is not None:
                 result.arrays = arrays = agg_arrays
             if train_metrics is not None:

@@ -62,7 +62,7 @@ class MultiModelStrategy(RoundLoopStrategy):
     def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> ModelDict:
         """Put each trained model back in its slot, take the mean, then apply the method."""
         assert self.models is not None
-        updated = list(self.models)
+        updated = [dict(m) for m in self.models]  # the method may empty these dicts; the pool's stay whole
         for update in updates:
             updated[update.slot] = update.model
         global_model = mean_models(updated)

@@ -386,7 +386,7 @@ def test_fedavg_runs_and_a_node_with_a_bad_data_path_fails_alone(deployment: Dep
     # The bad node answers every train message with an error reply naming it and its problem;
     # the server logs it and aggregates the other two.
     bad = deployment.node_ids["bad"]
-    assert re.search(rf"rejected: node {bad}: error reply: .*NodeDataError.*data-path='{re.escape(str(deployment.bad_path))}' \(node {bad}, host [^)]*\): folder does not exist", stream), stream[-4000:]
+    assert re.search(rf"rejected: node {bad}: client error: NodeDataError: node data-path='{re.escape(str(deployment.bad_path))}' \(node {bad}, host [^)]*\): folder does not exist", stream), stream[-4000:]
     assert stream.count("2/3 replies accepted") == 2, stream[-4000:]
     assert deployment.run_status(run_id) == "finished:completed"
 

@@ -101,3 +101,54 @@ def test_federation_size_waits_until_registration_settles() -> None:
             return list(range(min(1000, 50 * self.calls)))  # 50 more nodes every poll
 
     assert federation_size(GrowingGrid(), settle=0.3) == 1000
+
+
+import pytest  # noqa: E402
+
+
+@pytest.mark.parametrize("count", [float("nan"), float("inf"), -1000.0, 0.0, 1e30, 2.5])
+def test_a_reply_with_a_bad_num_examples_is_rejected_with_its_reason(count: float, caplog) -> None:
+    def node_with_bad_count(msg, key):
+        content = node(msg, key)
+        if key.endswith("0"):
+            content["metrics"]["num-examples"] = count
+        return content
+
+    grid = FakeGrid(node_with_bad_count, num_nodes=4)
+    strategy = FedAvg(clients_per_round=4, seed=0)
+    with caplog.at_level("WARNING"):
+        arrays, metrics = strategy.aggregate_train(1, grid.send_and_receive(strategy.configure_train(1, initial(), ConfigRecord(), grid)))
+    assert metrics["replies"] == 3
+    # partitions 1..3 only: (2*20 + 3*30 + 4*40) / 90
+    np.testing.assert_allclose(record_to_model(arrays)["w"], np.full((2, 2), 290 / 90), rtol=1e-6)
+    assert "num-examples" in caplog.text and ("not a count of examples" in caplog.text or "not finite" in caplog.text)
+
+
+def test_a_timed_out_node_is_named_and_a_client_error_shows_its_message(caplog) -> None:
+    def failing(msg, key):
+        if key.endswith("1"):
+            raise RuntimeError("CUDA out of memory on this node")
+        return node(msg, key)
+
+    grid = FakeGrid(failing, num_nodes=4, drop=["partition:000000002"])
+    strategy = FedAvg(clients_per_round=4, seed=0)
+    messages = list(strategy.configure_train(1, initial(), ConfigRecord(), grid))
+    dropped = next(m.metadata.dst_node_id for m in messages if grid.keys[m.metadata.dst_node_id].endswith("2"))
+    with caplog.at_level("WARNING"):
+        strategy.aggregate_train(1, grid.send_and_receive(messages))
+    assert f"node {dropped}: no reply within the round timeout" in caplog.text
+    assert "client error: CUDA out of memory on this node" in caplog.text
+
+
+def test_no_accepted_reply_for_max_failed_rounds_fails_the_run() -> None:
+    from strategies.base import RunFailed
+
+    def broken(msg, key):
+        raise RuntimeError("the simulation backend is gone")
+
+    grid = FakeGrid(broken, num_nodes=4)
+    strategy = FedAvg(clients_per_round=2, seed=0)
+    with pytest.raises(RunFailed) as info:
+        strategy.start(grid=grid, initial_arrays=initial(), num_rounds=10, max_failed_rounds=3)
+    assert "3 consecutive rounds (1..3" in str(info.value) and "the simulation backend is gone" in str(info.value)
+    assert strategy.global_model["w"].sum() == 0  # the model was never replaced

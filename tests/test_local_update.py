@@ -181,3 +181,20 @@ def test_a_plugin_reads_extra_records_keeps_state_steps_and_adds_reply_records(m
         assert steps == -(-n // cfg["training"]["batch_size"])  # one step per batch
         assert rounds == rnd and offset == 0.5  # the state survived the first round
         assert set(reply.content.array_records) == {protocol.ARRAYS, "steps"}
+
+
+def test_client_error_extracts_the_clients_own_exception() -> None:
+    from fedmm.protocol import client_error
+
+    assert client_error("<class 'client_app.node_data.NodeDataError'>:<'node x: folder does not exist'>") == (
+        "NodeDataError: node x: folder does not exist"
+    )
+    # as the simulation engine reports it: Ray's traceback of Flower's wrapper around the client's error
+    ray_trace = (
+        "<class 'ray.exceptions.RayTaskError(ClientAppException)'>:<'ray::ClientAppActor.run() (pid=1, ip=10.0.0.1)\n"
+        "  File \"app.py\", line 3, in train\n    raise RuntimeError('injected failure on partition 0')\n"
+        "RuntimeError: injected failure on partition 0\n\nThe above exception was the direct cause of the following"
+        " exception:\n\nray::ClientAppActor.run()\nflwr.clientapp.client_app.ClientAppException: \nException "
+        "ClientAppException occurred. Message: injected failure on partition 0'>"
+    )
+    assert client_error(ray_trace) == "RuntimeError: injected failure on partition 0"

@@ -11,7 +11,7 @@ from fedmm.config import compose, to_container
 from fedmm.report import load_runs, method_label, rounds_to_reach, summarise
 
 
-def write_run(root: Path, name: str, overrides: list[str], accs: list[float]) -> None:
+def write_run(root: Path, name: str, overrides: list[str], accs: list[float], status: str = "completed") -> None:
     cfg = to_container(compose([f"num_rounds={len(accs) - 1}", *overrides]))
     run = root / name
     run.mkdir(parents=True)
@@ -20,6 +20,7 @@ def write_run(root: Path, name: str, overrides: list[str], accs: list[float]) ->
         for rnd, acc in enumerate(accs):
             f.write(json.dumps({"round": rnd, "accuracy": acc, "loss": 1.0, "seconds": 2.0 * rnd,
                                 "bytes_sent": 1048576 * rnd, "bytes_received": 1048576 * rnd}) + "\n")
+    (run / "summary.json").write_text(json.dumps({"status": status}))
 
 
 def test_method_labels() -> None:
@@ -39,10 +40,28 @@ def test_rounds_to_reach_and_summary(tmp_path: Path) -> None:
     write_run(tmp_path, "b", ["seed=0", "strategy=fedmr"], [0.1, 0.7, 0.8, 0.9])
     write_run(tmp_path, "c", ["seed=1", "strategy=fedmr"], [0.1, 0.2, 0.3, 0.4])
     (tmp_path / "c" / "metrics.jsonl").write_text((tmp_path / "c" / "metrics.jsonl").read_text().splitlines()[0] + "\n")
-    runs = load_runs(tmp_path)  # "c" stopped after round 0: not counted
+    refused: list = []
+    runs = load_runs(tmp_path, refused)  # "c" stopped after round 0: not counted
     assert len(runs) == 2
+    assert [(p.name, "stops at round 0" in why) for p, why in refused] == [("c", True)]
     table, data = summarise(runs, "FedAvg")
     assert data["Dir(0.5) / FedAvg"]["final"] == [70.0]
     assert data["Dir(0.5) / FedMR"]["rounds_to_reference"] == [1]  # reaches FedAvg's 0.7 in round 1
     assert "3.00×" in table  # 3 rounds of FedAvg vs 1 of FedMR
     assert data["Dir(0.5) / FedMR"]["mb_per_round"] == 1.0
+
+
+def test_runs_that_differ_in_any_key_are_never_averaged_and_failed_runs_are_refused(tmp_path: Path) -> None:
+    write_run(tmp_path, "a0", ["seed=0"], [0.9, 0.4, 0.6])
+    write_run(tmp_path, "a1", ["seed=1"], [0.9, 0.5, 0.8])
+    write_run(tmp_path, "b0", ["seed=0", "training.lr=0.05"], [0.1, 0.2, 0.3])
+    write_run(tmp_path, "f", ["seed=2"], [0.1, 0.2, 0.9], status="failed")
+    refused: list = []
+    runs = load_runs(tmp_path, refused)
+    assert [p.name for p, _ in refused] == ["f"] and "failed" in refused[0][1]
+    table, data = summarise(runs, None)
+    assert set(data) == {"Dir(0.5) / FedAvg / training.lr=0.01", "Dir(0.5) / FedAvg / training.lr=0.05"}
+    a = data["Dir(0.5) / FedAvg / training.lr=0.01"]
+    assert a["n"] == 2 and a["final"] == [60.0, 80.0]
+    assert a["best"] == [60.0, 80.0]  # round 0's 90 % does not count as "best"
+    assert "70.00 ± 14.14" in table  # sample std (ddof = 1): |80 - 60| / sqrt(2)

@@ -119,6 +119,7 @@ def test_multimodel_simulation_dispatch_stages_and_failing_client(tmp_path: Path
     assert len(set(digests[3])) == 3  # recombined / cross-aggregated: pairwise different
     rows = read_metrics(run)
     assert [r.get("replies") for r in rows[1:]] == [2, 2, 2]  # the failing node never replies with a model
+    assert json.loads((run / "summary.json").read_text())["status"] == "completed"
     with np.load(run / "final_models.npz") as pool:
         assert {name.split("/")[0] for name in pool.files} == {"0", "1", "2"}  # still K models
 
@@ -140,3 +141,43 @@ def test_objective_presets_run_in_a_real_simulation(tmp_path: Path, preset: str)
     # federated evaluation on half of the 4 clients: example-weighted metrics from the ClientApps
     federated = json.loads((run / "federated_evaluation.json").read_text())
     assert 0.0 <= federated["1"]["accuracy"] <= 1.0 and federated["1"]["num-examples"] > 0
+
+
+def test_a_run_whose_clients_all_fail_stops_as_failed_and_the_job_fails(tmp_path: Path) -> None:
+    """One SuperNode that always fails: after max_failed_rounds=2 rounds with no accepted reply
+    the run stops; summary.json says failed (with the client's own error), the job raises."""
+    from flwr.simulation import run_simulation
+
+    from strategies.base import RunFailed
+    from tests.sim_apps import failing_client_app, recording_server_app
+
+    cfg = to_container(compose([
+        "num_rounds=6", "num_clients=1", "clients_per_round=1", "max_failed_rounds=2", f"output_dir={tmp_path / 'run'}",
+    ]))
+    out: dict = {}
+    with pytest.raises(RunFailed):
+        run_simulation(
+            server_app=recording_server_app(cfg, [], out),
+            client_app=failing_client_app,
+            num_supernodes=1,
+            backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"logging_level": "ERROR"}},
+        )
+    assert "dir" not in out  # run_experiment raised
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["rounds_completed"] == 1
+    assert "2 consecutive rounds (1..2" in summary["reason"] and "injected failure on partition 0" in summary["reason"]
+    assert [r["round"] for r in read_metrics(tmp_path / "run")] == [0, 1]  # round 2 never evaluated
+
+
+def test_a_sweep_with_a_failed_job_finishes_the_others_lists_the_failure_and_exits_non_zero(tmp_path: Path) -> None:
+    """Job 1 asks for CUDA on a machine without it: it fails; job 0 completes; fedmm exits 1."""
+    sweep = tmp_path / "sweep"
+    cmd = [
+        str(BIN / "fedmm"), "-m", "training.device=cpu,cuda", "num_rounds=1", "num_clients=2", "clients_per_round=1",
+        "training.local_epochs=1", f"hydra.sweep.dir={sweep}",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=tmp_path)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    statuses = {p.parent.name.split("_")[0]: json.loads(p.read_text())["status"] for p in sweep.glob("*/summary.json")}
+    assert statuses == {"0": "completed", "1": "failed"}
+    assert "fedmm: 1 job(s) failed:" in proc.stdout and "no CUDA device" in proc.stdout
