@@ -127,8 +127,16 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    """Console-script entry point: exits non-zero when any job of the run or sweep failed."""
-    _hydra_main()
+    """Console-script entry point: exits non-zero when any job of the run or sweep failed,
+    130 when it was stopped by SIGINT / SIGTERM."""
+    from server_app.interrupt import install_signal_handlers
+
+    install_signal_handlers()
+    try:
+        _hydra_main()
+    except KeyboardInterrupt:
+        print("fedmm: interrupted; the run directory holds a checkpoint: continue with fedmm resume=<run dir>", flush=True)
+        raise SystemExit(130) from None
     if FAILED_JOBS:
         print(f"fedmm: {len(FAILED_JOBS)} job(s) failed:", flush=True)
         for job_dir, reason in FAILED_JOBS:

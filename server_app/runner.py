@@ -28,6 +28,7 @@ from fedmm.errors import ConfigError
 from fedmm.evaluation import evaluate as evaluate_model
 from fedmm.evaluation import resolve_device
 from fedmm.models import build_model
+from server_app.interrupt import STOP, raise_if_stopped
 from server_app.checkpoint import load_checkpoint, restore_rng_states, rng_states, save_checkpoint
 from server_app.recording import RunRecorder, create_run_dir
 from strategies import build_strategy
@@ -44,17 +45,30 @@ def payload_bytes(messages: list[Message]) -> int:
 
 
 class CountingGrid:
-    """A Grid proxy that counts the array bytes sent to and received from the nodes."""
+    """A Grid proxy that counts the array bytes sent to and received from the nodes, and stops
+    waiting for replies as soon as a stop is requested (:mod:`server_app.interrupt`)."""
 
-    def __init__(self, grid: Grid) -> None:
+    def __init__(self, grid: Grid, poll_interval: float = 0.1) -> None:
         self._grid = grid
+        self.poll_interval = poll_interval
         self.bytes_sent = 0
         self.bytes_received = 0
 
     def send_and_receive(self, messages, *, timeout=None):  # noqa: ANN001 - Grid's signature
+        """Push, then pull until every reply is in or ``timeout`` passes (as Flower's grids do)."""
         messages = list(messages)
         self.bytes_sent += payload_bytes(messages)
-        replies = list(self._grid.send_and_receive(messages, timeout=timeout))
+        raise_if_stopped()
+        pending = set(self._grid.push_messages(messages))
+        del messages
+        end = time.monotonic() + (timeout if timeout is not None else float("inf"))
+        replies: list[Message] = []
+        while pending and time.monotonic() < end:
+            got = list(self._grid.pull_messages(pending))
+            replies += got
+            pending.difference_update(m.metadata.reply_to_message_id for m in got)
+            if pending and STOP.wait(self.poll_interval):
+                raise_if_stopped()
         self.bytes_received += payload_bytes(replies)
         return replies
 

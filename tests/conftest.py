@@ -8,6 +8,11 @@ os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 
+import shutil  # noqa: E402
+import signal  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
 import pytest  # noqa: E402
 
 # The packages that register the schemas of their config groups (as the entry points do).
@@ -24,3 +29,32 @@ def flower_task_identity():
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
     yield
     TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+
+
+def pids_mentioning(text: str) -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and int(proc.name) != os.getpid():
+            try:
+                if text in (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                    pids.append(int(proc.name))
+            except OSError:
+                continue
+    return pids
+
+
+@pytest.fixture
+def ray_env():
+    """A private Ray temp dir (short: Ray's socket paths must fit 107 bytes), and a sweep of
+    every process that used it when the test ends."""
+    tmp = tempfile.mkdtemp(prefix="fr", dir="/tmp")
+    env = dict(os.environ, RAY_TMPDIR=tmp, FLWR_TELEMETRY_ENABLED="0")
+    yield env
+    for pid in pids_mentioning(tmp):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    shutil.rmtree(tmp, ignore_errors=True)
+
+

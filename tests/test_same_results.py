@@ -19,11 +19,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -31,6 +29,7 @@ import pytest
 import yaml
 
 from fedmm.results import read_metrics
+from tests.conftest import pids_mentioning
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -54,33 +53,6 @@ def assert_same_results(rows: list[dict], expected: list[dict], loss_rtol: float
             assert row["loss"] == pytest.approx(want["loss"], rel=loss_rtol), row["round"]
         else:
             assert row["loss"] == want["loss"], row["round"]
-
-
-def pids_mentioning(text: str) -> list[int]:
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit() and int(proc.name) != os.getpid():
-            try:
-                if text in (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
-                    pids.append(int(proc.name))
-            except OSError:
-                continue
-    return pids
-
-
-@pytest.fixture
-def ray_env():
-    """A private Ray temp dir (short: Ray's socket paths must fit 107 bytes), and a sweep of
-    every process that used it when the test ends."""
-    tmp = tempfile.mkdtemp(prefix="fr", dir="/tmp")
-    env = dict(os.environ, RAY_TMPDIR=tmp, FLWR_TELEMETRY_ENABLED="0")
-    yield env
-    for pid in pids_mentioning(tmp):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_presets_give_the_recorded_results(tmp_path: Path, ray_env: dict) -> None:
