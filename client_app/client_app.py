@@ -18,6 +18,7 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord
 from flwr.clientapp import ClientApp
@@ -26,7 +27,7 @@ from client_app.local_update import build_local_update
 from client_app.node_data import DATA_PATH_KEY, NodeDataError, load_node_data
 from client_app.training import train as train_model
 from fedmm import protocol
-from fedmm.data import InputSpec, TensorData, input_spec, load_partition
+from fedmm.data import InputSpec, TensorData, input_spec, load_partition, local_split, local_test_fraction
 from fedmm.evaluation import evaluate as evaluate_model
 from fedmm.evaluation import resolve_device
 from fedmm.models import LayeredModel, build_model
@@ -43,13 +44,21 @@ def node_key(node_config: Mapping[str, Any], node_id: int) -> str:
     return f"node:{node_id:020d}"
 
 
-def local_data(cfg: Mapping[str, Any], context: Context) -> TensorData:
-    """This node's training data: its own folder in deployment, its partition in simulation."""
+def local_data(cfg: Mapping[str, Any], context: Context, part: str = "train") -> TensorData:
+    """This node's data: its own folder in deployment, its partition in simulation.
+
+    ``part="train"`` are the rows it trains on; ``part="test"`` the ``partition.local_test_fraction``
+    of its rows held out for federated evaluation (never trained on).
+    """
     node_config = context.node_config
     if DATA_PATH_KEY in node_config:
         # Raises NodeDataError naming the node and the problem: Flower sends it back as the
         # error reply's reason, the server logs it and goes on with the other nodes.
-        return load_node_data(cfg["dataset"], node_config[DATA_PATH_KEY], context.node_id)
+        data = load_node_data(cfg["dataset"], node_config[DATA_PATH_KEY], context.node_id)
+        if part == "train" and not local_test_fraction(cfg["partition"]):
+            return data
+        train_rows, test_rows = local_split(np.arange(len(data)), local_test_fraction(cfg["partition"]), int(cfg["seed"]), 0)
+        return data.subset(train_rows if part == "train" else test_rows)
     if "partition-id" not in node_config or "num-partitions" not in node_config:
         raise NodeDataError(
             f"node {context.node_id}: the node config has neither {DATA_PATH_KEY} (deployment) nor "
@@ -62,6 +71,7 @@ def local_data(cfg: Mapping[str, Any], context: Context) -> TensorData:
         int(node_config["partition-id"]),
         int(node_config["num-partitions"]),
         int(cfg["seed"]),
+        part,
     )
 
 
@@ -131,10 +141,10 @@ def train(msg: Message, context: Context) -> Message:
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
-    """Evaluate the received model on the local data (federated evaluation)."""
+    """Evaluate the received model on this node's held-out rows (federated evaluation)."""
     cfg = protocol.read_run_config(msg)
     _set_threads(cfg, context)
-    data = local_data(cfg, context)
+    data = local_data(cfg, context, part="test")
     model = model_from_message(cfg, msg)
     metrics = evaluate_model(model, data, resolve_device(cfg["training"]["device"]))
     return protocol.reply_message(msg, {protocol.METRICS: MetricRecord(metrics)})

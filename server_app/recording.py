@@ -123,11 +123,19 @@ class RunRecorder:
         out = self.path / "learning_curve.png"
         rounds = [row["round"] for row in self.history]
         fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(10, 4))
-        ax_acc.plot(rounds, [100 * row["accuracy"] for row in self.history], marker=".")
+        ax_acc.plot(rounds, [100 * row["accuracy"] for row in self.history], marker=".", label="global model, test split")
+        federated = [(row["round"], row["federated_accuracy"]) for row in self.history if row.get("federated_accuracy") is not None]
+        if federated:
+            ax_acc.plot([r for r, _ in federated], [100 * a for _, a in federated], marker="x", linestyle="--",
+                        label="federated (clients' held-out rows)")
+            ax_acc.legend(fontsize=8)
         ax_acc.set_xlabel("round")
         ax_acc.set_ylabel("test accuracy (%)")
         ax_acc.grid(alpha=0.3)
         ax_loss.plot(rounds, [row["loss"] for row in self.history], marker=".", color="tab:red")
+        federated_loss = [(row["round"], row["federated_loss"]) for row in self.history if row.get("federated_loss") is not None]
+        if federated_loss:
+            ax_loss.plot([r for r, _ in federated_loss], [v for _, v in federated_loss], marker="x", linestyle="--", color="tab:orange")
         ax_loss.set_xlabel("round")
         ax_loss.set_ylabel("test loss")
         ax_loss.grid(alpha=0.3)

@@ -184,6 +184,10 @@ def run_experiment(grid: Grid, cfg_in: Mapping[str, Any], simulation: bool = Tru
             }
             if server_round > 0:
                 row["replies"] = strategy.last_replies
+                federated = strategy.last_evaluate_metrics
+                if federated:  # clients' held-out rows, example-weighted
+                    row["federated_accuracy"] = federated.get("accuracy")
+                    row["federated_loss"] = federated.get("loss")
             recorder.log_metrics(row)
             left = f"~{elapsed / server_round * (num_rounds - server_round):.0f}s left" if server_round else "starting"
             log(

@@ -18,6 +18,7 @@ from typing import Any
 from flwr.serverapp.strategy import Strategy
 
 from fedmm.config import register_schema
+from fedmm.errors import ConfigError
 from strategies import fedavg, fedcross, fedmr
 from strategies.base import RoundLoopStrategy
 from strategies.fedavg import FedAvg
@@ -38,8 +39,30 @@ STRATEGIES: dict[str, ModuleType] = {
     "fedcross": fedcross,
 }
 
+def check_federated_evaluation(values: Mapping[str, Any], cfg: Mapping[str, Any]) -> None:
+    """Clients evaluate on rows they never train on: fraction_evaluate > 0 needs a held-out part."""
+    if values.get("fraction_evaluate", 0) > 0 and not cfg["partition"].get("local_test_fraction"):
+        raise ConfigError(
+            "partition.local_test_fraction",
+            cfg["partition"].get("local_test_fraction"),
+            f"a fraction > 0 when strategy.fraction_evaluate={values['fraction_evaluate']} "
+            "(clients evaluate on held-out rows of their own data, never on what they train on)",
+        )
+
+
+def _checker(module: ModuleType):  # noqa: ANN202
+    own = getattr(module, "check_config", None)
+
+    def check(values: Mapping[str, Any], cfg: Mapping[str, Any]) -> None:
+        check_federated_evaluation(values, cfg)
+        if own is not None:
+            own(values, cfg)
+
+    return check
+
+
 for _name, _module in STRATEGIES.items():
-    register_schema("strategy", _name, _module.CONFIG_SCHEMA, getattr(_module, "check_config", None))
+    register_schema("strategy", _name, _module.CONFIG_SCHEMA, _checker(_module))
 
 
 def build_strategy(cfg: Mapping[str, Any]) -> Strategy:

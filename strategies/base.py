@@ -88,6 +88,8 @@ class RoundLoopStrategy(Strategy):
         self.spec: protocol.ArraySpec | None = None
         self.last_replies = 0
         self.last_rejections: list[str] = []
+        #: Federated-evaluation metrics of the current round (None when clients did not evaluate).
+        self.last_evaluate_metrics: dict[str, float] | None = None
         self._pending: list[Message] = []
 
     # ================================================================== method hooks
@@ -321,10 +323,12 @@ class RoundLoopStrategy(Strategy):
             if train_metrics is not None:
                 result.train_metrics_clientapp[current_round] = train_metrics
             eval_replies = self.send(grid, list(self.configure_evaluate(current_round, arrays, evaluate_config, grid)), timeout)
+            self.last_evaluate_metrics = None
             if eval_replies:
                 eval_metrics = self.aggregate_evaluate(current_round, eval_replies)
                 if eval_metrics is not None:
                     result.evaluate_metrics_clientapp[current_round] = eval_metrics
+                    self.last_evaluate_metrics = dict(eval_metrics)
             if evaluate_fn:
                 res = evaluate_fn(current_round, arrays)
                 if res is not None:

@@ -60,6 +60,9 @@ def test_run_config_becomes_hydra_overrides() -> None:
         (["objective=fedrl", "objective.advance=epoch"], "objective.advance", "batch, round"),
         (["objective=fedprox", "objective.mu=-1"], "objective.mu", ">= 0"),
         (["checkpoint_every=-1"], "checkpoint_every", ">= 0"),
+        (["strategy.fraction_evaluate=0.5"], "partition.local_test_fraction", "never on what they train on"),
+        (["partition.local_test_fraction=1.0"], "partition.local_test_fraction", "[0, 1)"),
+        (["max_failed_rounds=-1"], "max_failed_rounds", ">= 0"),
     ],
 )
 def test_wrong_values_name_the_key_and_the_allowed_values(overrides, key, allowed) -> None:

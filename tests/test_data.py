@@ -498,3 +498,22 @@ def test_mnist5k_first_batch_is_the_old_formula_in_the_same_order(mnist5k):
     assert torch.equal(first_y, train.y[order])
     want = (train.x[order].float() / 255 - 0.1307) / 0.3081
     torch.testing.assert_close(first_x, want, atol=1e-5, rtol=1e-5)
+
+
+def test_local_test_rows_are_held_out_of_training(mnist5k):
+    from fedmm.config import compose, to_container
+
+    cfg = to_container(compose(["partition.local_test_fraction=0.25"]))
+    d, p = cfg["dataset"], cfg["partition"]
+    whole = D.load_partition(d, {**p, "local_test_fraction": 0.0}, 3, 20, 0)
+    train = D.load_partition(d, p, 3, 20, 0)
+    test = D.load_partition(d, p, 3, 20, 0, part="test")
+    assert len(train) + len(test) == len(whole) and len(test) == round(0.25 * len(whole))
+    key = lambda data: {bytes(row) for row in data.x.numpy().reshape(len(data), -1)}  # noqa: E731
+    assert not key(train) & key(test)  # no held-out image is trained on
+    assert key(train) | key(test) == key(whole)
+    same = D.load_partition(d, p, 3, 20, 0, part="test")
+    assert torch.equal(same.y, test.y)  # seeded: the same rows every time
+    with pytest.raises(ConfigError) as info:
+        D.load_partition(d, {**p, "local_test_fraction": 0.0}, 3, 20, 0, part="test")
+    assert info.value.key == "partition.local_test_fraction"

@@ -130,7 +130,7 @@ def test_objective_presets_run_in_a_real_simulation(tmp_path: Path, preset: str)
 
     cfg = to_container(compose([
         f"strategy={preset}", "objective.mu=0.5", "num_rounds=1", "num_clients=4", "clients_per_round=2",
-        "strategy.fraction_evaluate=0.5",
+        "strategy.fraction_evaluate=0.5", "partition.local_test_fraction=0.2",
         "training.local_epochs=1", f"output_dir={tmp_path / 'run'}",
     ]))
     run = run_job(cfg)
@@ -141,6 +141,11 @@ def test_objective_presets_run_in_a_real_simulation(tmp_path: Path, preset: str)
     # federated evaluation on half of the 4 clients: example-weighted metrics from the ClientApps
     federated = json.loads((run / "federated_evaluation.json").read_text())
     assert 0.0 <= federated["1"]["accuracy"] <= 1.0 and federated["1"]["num-examples"] > 0
+    # the clients evaluated on their held-out 20 %, and the round's metrics line says so
+    assert rows[1]["federated_accuracy"] == federated["1"]["accuracy"]
+    # held-out rows of all 4 clients are ~20 % of the 4,000 training images; their training
+    # shards would be ~2,000 for two clients
+    assert federated["1"]["num-examples"] <= 0.2 * 4000 + 4
 
 
 def test_a_run_whose_clients_all_fail_stops_as_failed_and_the_job_fails(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ imported when first needed.
 
 from __future__ import annotations
 
-from fedmm.data.partition import load_partition, partition_indices
+from fedmm.data.partition import load_partition, local_split, local_test_fraction, partition_indices
 from fedmm.data.sources import load_dataset
 from fedmm.data.spec import (
     DATASET_NAMES,
@@ -31,5 +31,6 @@ from fedmm.data.tensors import Identity, ImageNormalize, TensorData, batches
 __all__ = [
     "DATASET_NAMES", "HOLDOUT_SEED", "PARTITION_NAMES", "Identity", "ImageNormalize", "InputSpec", "TensorData",
     "batches", "check_dataset_config", "check_partition_config", "expected_num_classes", "input_spec",
-    "label_histograms", "load_dataset", "load_partition", "partition_indices", "plot_label_histograms",
+    "label_histograms", "load_dataset", "load_partition", "local_split", "local_test_fraction", "partition_indices",
+    "plot_label_histograms",
 ]

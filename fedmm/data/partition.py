@@ -179,37 +179,69 @@ def _natural(labels: np.ndarray, ids: np.ndarray | None, spec: _PartitionSpec, n
     return _assigned(NaturalIdPartitioner(partition_by="id"), ds)
 
 
-def load_partition(dataset_cfg: Mapping, partition_cfg: Mapping, partition_id: int, num_partitions: int, seed: int) -> TensorData:
-    """Return the training shard of one client.
+def load_partition(
+    dataset_cfg: Mapping, partition_cfg: Mapping, partition_id: int, num_partitions: int, seed: int, part: str = "train"
+) -> TensorData:
+    """Return one client's data: its training rows, or its held-out local test rows.
 
     Parameters
     ----------
     dataset_cfg, partition_cfg : Mapping
-        The ``dataset`` and ``partition`` config groups.
+        The ``dataset`` and ``partition`` config groups. ``partition.local_test_fraction`` of the
+        client's rows (0 by default) are held out for federated evaluation and never trained on.
     partition_id : int
         The client, ``0 <= partition_id < num_partitions``.
     num_partitions : int
         Number of clients.
     seed : int
         Run seed.
+    part : str
+        ``train`` or ``test`` (the held-out rows; an error when ``local_test_fraction`` is 0).
 
     Returns
     -------
     TensorData
-        The client's rows of the training split (cached per process).
+        The client's rows (cached per process).
     """
     dspec = _dataset_spec(dataset_cfg)
     pspec = _partition_spec(partition_cfg)
+    fraction = local_test_fraction(partition_cfg)
     train, _ = _load_dataset_cached(dspec)
     _check_counts(len(train), num_partitions, seed)
     if not _is_int(partition_id) or not 0 <= partition_id < num_partitions:
         raise ConfigError("partition_id", partition_id, f"an integer in 0..{num_partitions - 1}")
-    return _load_partition_cached(dspec, pspec, int(partition_id), int(num_partitions), int(seed))
+    if part not in ("train", "test"):
+        raise ValueError(f"part={part!r}; allowed: train, test")
+    if part == "test" and fraction == 0:
+        raise ConfigError("partition.local_test_fraction", 0, "a fraction > 0 for federated evaluation (clients evaluate on held-out rows)")
+    return _load_partition_cached(dspec, pspec, int(partition_id), int(num_partitions), int(seed), fraction, part)
+
+
+def local_test_fraction(partition_cfg: Mapping) -> float:
+    """``partition.local_test_fraction`` (0 when absent)."""
+    return float(partition_cfg.get("local_test_fraction", 0.0) or 0.0)
+
+
+def local_split(rows: np.ndarray, fraction: float, seed: int, key: int) -> tuple[np.ndarray, np.ndarray]:
+    """Split one client's rows into (train, held-out test), seeded by (seed, key).
+
+    ``round(fraction * n)`` rows, at least 1 and at most n - 1 when ``fraction > 0`` and the
+    client has 2 rows or more, go to the test part; with ``fraction = 0`` every row trains.
+    """
+    n = len(rows)
+    if fraction <= 0 or n < 2:
+        return rows, rows[:0]
+    n_test = min(n - 1, max(1, int(round(fraction * n))))
+    order = np.random.default_rng([seed, key, 0x7E57]).permutation(n)
+    return np.sort(rows[order[n_test:]]), np.sort(rows[order[:n_test]])
 
 
 @functools.lru_cache(maxsize=256)
-def _load_partition_cached(dspec: _DatasetSpec, pspec: _PartitionSpec, partition_id: int, num_partitions: int, seed: int) -> TensorData:
+def _load_partition_cached(
+    dspec: _DatasetSpec, pspec: _PartitionSpec, partition_id: int, num_partitions: int, seed: int, fraction: float, part: str
+) -> TensorData:
     # Only this client's partition is read: a client process never loops over all clients.
     train, _ = _load_dataset_cached(dspec)
-    return train.subset(_partitions(train, pspec, num_partitions, seed).rows_of(partition_id))
-
+    rows = _partitions(train, pspec, num_partitions, seed).rows_of(partition_id)
+    train_rows, test_rows = local_split(rows, fraction, seed, partition_id)
+    return train.subset(train_rows if part == "train" else test_rows)

@@ -317,15 +317,17 @@ def _check_partition_group(values: Mapping, cfg: Mapping) -> None:
 
 
 def _register_schemas() -> None:
-    from fedmm.config import AnyValue, register_schema
+    from fedmm.config import AnyValue, Number, register_schema
 
     # The dataset keys are checked together by _dataset_spec (they depend on each other).
     dataset_schema = {key: AnyValue() for key in _DATASET_KEYS if key != "name"}
     for name in DATASET_NAMES:
         register_schema("dataset", name, dataset_schema, _check_dataset_group)
     partition_keys = {"iid": (), "dirichlet": ("alpha", "min_partition_size", "self_balancing"), "natural": ("min_samples",)}
+    held_out = Number(ge=0, lt=1, allowed="a fraction in [0, 1) of each client's rows held out for federated evaluation")
     for name, keys in partition_keys.items():
-        register_schema("partition", name, {key: AnyValue() for key in keys}, _check_partition_group)
+        schema = {key: AnyValue() for key in keys} | {"local_test_fraction": held_out}
+        register_schema("partition", name, schema, _check_partition_group)
 
 
 _register_schemas()
