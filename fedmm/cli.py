@@ -95,6 +95,20 @@ def register_schemas() -> None:
     import strategies  # noqa: F401
 
 
+def preflight(cfg: dict[str, Any]) -> None:
+    """Load the dataset before the simulation starts, so that a bad folder or hub id is one line
+    now, not a traceback after Ray and the SuperNodes are up (the in-process ServerApp then
+    reuses the loaded splits)."""
+    from fedmm.data import load_dataset
+
+    try:
+        load_dataset(cfg["dataset"])
+    except ConfigError:
+        raise
+    except Exception as err:  # hub unreachable, unreadable files, ...
+        raise ConfigError("dataset", cfg["dataset"]["name"], f"a dataset that loads ({type(err).__name__}: {err})") from None
+
+
 def job_config(cfg: DictConfig) -> dict[str, Any]:
     """The validated config of this hydra job (a fresh run, or the run given by ``resume``)."""
     register_schemas()
@@ -110,6 +124,7 @@ def job_config(cfg: DictConfig) -> dict[str, Any]:
 def _hydra_main(cfg: DictConfig) -> None:
     try:
         resolved = job_config(cfg)
+        preflight(resolved)
     except ConfigError as err:
         raise SystemExit(str(err)) from None
     # Flower logs to its own console handler; stop hydra's root handler from printing it twice.

@@ -50,7 +50,7 @@ SCALAR_KEYS = (
     "num_rounds", "seed", "eval_every", "num_clients", "clients_per_round", "output_dir", "checkpoint_every", "resume",
 )
 #: Top-level keys set only in conf/ or by hydra overrides.
-OTHER_KEYS = ("round_timeout", "results_root", "max_failed_rounds")
+OTHER_KEYS = ("round_timeout", "results_root", "max_failed_rounds", "min_nodes_timeout")
 
 
 # =============================================================================== schema
@@ -241,6 +241,7 @@ _TOP_SCHEMA: dict[str, Field] = {
     "clients_per_round": AnyValue(),  # bounded by num_clients, checked below
     "round_timeout": Number(gt=0, allowed="seconds > 0"),
     "max_failed_rounds": Int(min=0, allowed="an integer >= 0 (0: never stop for lack of replies)"),
+    "min_nodes_timeout": Number(ge=0, allowed="seconds >= 0 to wait for enough SuperNodes (0: forever)"),
     "results_root": Str(),
     "output_dir": Nullable(Str(), "null or a directory path"),
     "checkpoint_every": Int(min=0, allowed="an integer >= 0 (0: only at the end)"),
@@ -297,7 +298,10 @@ def overrides_from_run_config(run_config: Mapping[str, Any]) -> list[str]:
         overrides.append(f"{key}={value}")
     extra = run_config.get("overrides", "")
     if extra:
-        overrides.extend(shlex.split(str(extra)))
+        try:
+            overrides.extend(shlex.split(str(extra)))
+        except ValueError as err:  # e.g. an unmatched quote
+            raise ConfigError("overrides", str(extra), f"space-separated hydra overrides, quotes balanced ({err})") from None
     return overrides
 
 
@@ -388,7 +392,7 @@ def validate(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
 
 # =============================================================================== resume
 #: Keys a resumed run may change: it continues the run's own config otherwise.
-RESUME_CHANGEABLE = ("num_rounds", "checkpoint_every", "round_timeout", "max_failed_rounds", "simulation")
+RESUME_CHANGEABLE = ("num_rounds", "checkpoint_every", "round_timeout", "max_failed_rounds", "min_nodes_timeout", "simulation")
 
 
 def resume_config(run_dir: str | os.PathLike, changes: Mapping[str, Any] | Sequence[str] = ()) -> dict[str, Any]:

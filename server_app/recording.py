@@ -78,6 +78,38 @@ def write_atomic(path: Path, text: str) -> None:
         f.write(text)
 
 
+LOCK_FILE = ".fedmm.lock"
+
+
+class RunLock:
+    """An exclusive lock on a run directory for as long as a run uses it.
+
+    ``flock`` on ``.fedmm.lock``: the kernel releases it when the process ends in any way
+    (even SIGKILL), so a stale lock never blocks a resume. A second run given the same directory
+    (``output_dir`` or ``resume``) while the first one runs is refused with a ConfigError.
+    """
+
+    def __init__(self, path: Path) -> None:
+        import fcntl
+
+        self.path = path / LOCK_FILE
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self._fd, 200, 0).decode(errors="replace").strip() or "another process"
+            os.close(self._fd)
+            raise ConfigError("output_dir", str(path), f"a directory no other run is using (in use by {holder})") from None
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, f"pid {os.getpid()} on {os.uname().nodename}\n".encode(), 0)
+
+    def release(self) -> None:
+        """Give the directory back (the lock file stays; the lock is what counts)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
 class RunRecorder:
     """Writes the files of one run as it goes.
 

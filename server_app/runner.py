@@ -30,7 +30,7 @@ from fedmm.evaluation import resolve_device
 from fedmm.models import build_model
 from server_app.interrupt import STOP, raise_if_stopped
 from server_app.checkpoint import load_checkpoint, restore_rng_states, rng_states, save_checkpoint
-from server_app.recording import RunRecorder, create_run_dir
+from server_app.recording import RunLock, RunRecorder, create_run_dir
 from strategies import build_strategy
 from strategies.multimodel import MultiModelStrategy
 
@@ -133,6 +133,14 @@ def run_experiment(grid: Grid, cfg_in: Mapping[str, Any], simulation: bool = Tru
     else:
         run_dir = create_run_dir(cfg)
     log(INFO, "fedmm run directory: %s", run_dir)
+    lock = RunLock(run_dir)  # a second run in this directory is refused while this one runs
+    try:
+        return _run_locked(grid, cfg, run_dir, checkpoint, simulation)
+    finally:
+        lock.release()
+
+
+def _run_locked(grid: Grid, cfg: dict[str, Any], run_dir: Path, checkpoint: dict[str, Any] | None, simulation: bool) -> Path:
     recorder = RunRecorder(run_dir, cfg)
     counting = CountingGrid(grid)
     num_rounds = int(cfg["num_rounds"])

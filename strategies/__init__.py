@@ -66,5 +66,8 @@ for _name, _module in STRATEGIES.items():
 
 
 def build_strategy(cfg: Mapping[str, Any]) -> Strategy:
-    """The strategy selected by ``strategy.name``."""
-    return STRATEGIES[cfg["strategy"]["name"]].from_config(cfg)
+    """The strategy selected by ``strategy.name``, waiting at most ``min_nodes_timeout`` for nodes."""
+    strategy = STRATEGIES[cfg["strategy"]["name"]].from_config(cfg)
+    if isinstance(strategy.selector, SeededRosterSelector):
+        strategy.selector.min_nodes_timeout = float(cfg["min_nodes_timeout"]) or None
+    return strategy

@@ -18,6 +18,10 @@ from flwr.supercore import log
 from fedmm import protocol
 
 
+class NotEnoughNodes(RuntimeError):
+    """Fewer nodes than a round needs connected within the deadline."""
+
+
 class ClientSelector(ABC):
     """Chooses the nodes of a round.
 
@@ -49,20 +53,30 @@ class SeededRosterSelector(ClientSelector):
     is reproducible only as far as the node ids are.
     """
 
-    def __init__(self, seed: int, timeout: float = 120.0, chunk: int = 100) -> None:
+    def __init__(self, seed: int, timeout: float = 120.0, chunk: int = 100, min_nodes_timeout: float | None = None) -> None:
         self.seed = seed
         self.timeout = timeout
         self.chunk = chunk
+        #: Seconds to wait for enough nodes to connect (None: forever).
+        self.min_nodes_timeout = min_nodes_timeout
         self._keys: dict[int, str] = {}
 
     def ordered_nodes(self, grid: Grid, minimum: int) -> list[int]:
-        """Connected node ids ordered by their stable key; waits until ``minimum`` are connected."""
-        waited = 0.0
+        """Connected node ids ordered by their stable key; waits until ``minimum`` are connected
+        (at most ``min_nodes_timeout`` seconds, then :class:`NotEnoughNodes`)."""
+        start = time.monotonic()
+        last_log = -10.0
         while len(node_ids := sorted(grid.get_node_ids())) < minimum:
-            if waited % 10 == 0:
+            waited = time.monotonic() - start
+            if self.min_nodes_timeout is not None and waited >= self.min_nodes_timeout:
+                raise NotEnoughNodes(
+                    f"only {len(node_ids)} node(s) connected within min_nodes_timeout={self.min_nodes_timeout:g}s; "
+                    f"this round needs {minimum} (clients_per_round): start more SuperNodes or lower clients_per_round"
+                )
+            if waited - last_log >= 10:
                 log(INFO, "Waiting for nodes: %d connected, %d required.", len(node_ids), minimum)
-            time.sleep(1.0)
-            waited += 1.0
+                last_log = waited
+            time.sleep(0.5)
         unknown = [n for n in node_ids if n not in self._keys]
         if unknown:
             self._keys.update(self._query_keys(grid, unknown))

@@ -55,3 +55,27 @@ def test_strategy_state_round_trips_through_a_checkpoint(tmp_path: Path) -> None
     assert other.models[0] is other.models[2]  # shared references stay shared
     np.testing.assert_array_equal(other.models[1]["w"], model["w"])
     assert other.rng.random() == strategy.rng.random()  # the RNG continues where it stopped
+
+
+def test_a_run_directory_in_use_is_refused_and_free_again_after(tmp_path: Path) -> None:
+    from fedmm.errors import ConfigError
+    from server_app.recording import RunLock
+
+    first = RunLock(tmp_path)
+    with pytest.raises(ConfigError) as info:
+        RunLock(tmp_path)
+    assert info.value.key == "output_dir" and f"pid {__import__('os').getpid()}" in str(info.value)
+    first.release()
+    RunLock(tmp_path).release()  # free again
+
+
+def test_waiting_for_nodes_has_a_deadline() -> None:
+    from strategies.selection import NotEnoughNodes, SeededRosterSelector
+
+    class TwoNodes:
+        def get_node_ids(self):
+            return [1, 2]
+
+    with pytest.raises(NotEnoughNodes) as info:
+        SeededRosterSelector(0, min_nodes_timeout=0.2).ordered_nodes(TwoNodes(), minimum=3)
+    assert "only 2 node(s) connected within min_nodes_timeout=0.2s" in str(info.value)

@@ -73,6 +73,12 @@ def test_wrong_values_name_the_key_and_the_allowed_values(overrides, key, allowe
     assert allowed in str(info.value)
 
 
+def test_malformed_overrides_are_one_config_error() -> None:
+    with pytest.raises(ConfigError) as info:
+        compose_from_run_config({"overrides": "partition.alpha=0.1 training.lr='0.05"})
+    assert info.value.key == "overrides" and "quotes balanced" in str(info.value)
+
+
 def test_unknown_group_option_lists_all_options() -> None:
     with pytest.raises(ConfigError) as info:
         compose(["model=resnet"])

@@ -344,7 +344,19 @@ def write_pickle(path: Path, obj: dict) -> None:
         pickle.dump(obj, f)
 
 
-def test_cifar10_python_batches_load(tmp_path):
+def trust_md5(monkeypatch, cls_name: str, root) -> None:
+    """Make torchvision's md5 list of CIFAR{10,100} the sums of the files a test wrote."""
+    import hashlib
+
+    import torchvision.datasets as tvd
+
+    cls = getattr(tvd, cls_name)
+    md5 = lambda name: hashlib.md5((root / name).read_bytes()).hexdigest()  # noqa: E731
+    monkeypatch.setattr(cls, "train_list", [[n, md5(n)] for n, _ in cls.train_list])
+    monkeypatch.setattr(cls, "test_list", [[n, md5(n)] for n, _ in cls.test_list])
+
+
+def test_cifar10_python_batches_load(tmp_path, monkeypatch):
     rng = np.random.default_rng(2)
     root = tmp_path / "cifar-10-batches-py"
     root.mkdir()
@@ -358,6 +370,7 @@ def test_cifar10_python_batches_load(tmp_path):
     write_pickle(root / "test_batch", {b"data": test_data, b"labels": [1, 2, 3]})
 
     # The parent folder works too.
+    trust_md5(monkeypatch, "CIFAR10", root)
     train, test = D.load_dataset(dataset_cfg("cifar10", path=str(tmp_path)))
     flat = np.concatenate(flat)
     assert train.x.shape == (20, 3, 32, 32) and test.x.shape == (3, 3, 32, 32)
@@ -367,7 +380,7 @@ def test_cifar10_python_batches_load(tmp_path):
     assert int(test.x[2, 2, 31, 0]) == int(test_data[2, 2048 + 31 * 32])
 
 
-def test_cifar100_python_label_type_picks_fine_or_coarse(tmp_path):
+def test_cifar100_python_label_type_picks_fine_or_coarse(tmp_path, monkeypatch):
     rng = np.random.default_rng(3)
     root = tmp_path / "cifar-100-python"
     root.mkdir()
@@ -379,6 +392,7 @@ def test_cifar100_python_label_type_picks_fine_or_coarse(tmp_path):
             b"coarse_labels": rng.integers(0, 20, n).tolist(),
         }
         write_pickle(root / split, parts[split])
+    trust_md5(monkeypatch, "CIFAR100", root)
     coarse = D.load_dataset(dataset_cfg("cifar100", path=str(root)))
     fine = D.load_dataset(dataset_cfg("cifar100", path=str(root), label_type="fine", num_classes=100))
     for i, split in enumerate(("train", "test")):
@@ -387,6 +401,39 @@ def test_cifar100_python_label_type_picks_fine_or_coarse(tmp_path):
         assert torch.equal(coarse[i].x, fine[i].x)
     with pytest.raises(ConfigError, match="dataset.num_classes"):
         D.load_dataset(dataset_cfg("cifar100", path=str(root), label_type="fine"))
+
+
+def test_a_partial_or_corrupted_cifar_folder_is_refused_naming_the_file(tmp_path, monkeypatch):
+    rng = np.random.default_rng(4)
+    root = tmp_path / "cifar-10-batches-py"
+    root.mkdir()
+    for i in range(1, 6):
+        write_pickle(root / f"data_batch_{i}", {b"data": random_images(rng, 4, (3072,)), b"labels": [0, 1, 2, 3]})
+    write_pickle(root / "test_batch", {b"data": random_images(rng, 3, (3072,)), b"labels": [1, 2, 3]})
+    trust_md5(monkeypatch, "CIFAR10", root)
+    (root / "data_batch_3").write_bytes((root / "data_batch_3").read_bytes()[:100])  # truncated copy
+    (root / "data_batch_5").unlink()  # an interrupted extraction
+    with pytest.raises(ConfigError) as info:
+        D.load_dataset(dataset_cfg("cifar10", path=str(root)))
+    assert info.value.key == "dataset.path" and "data_batch_3 fails its md5 check" in str(info.value)
+    assert "(and 1 more)" in str(info.value) and "dataset.allow_partial=true" in str(info.value)
+    # allow_partial reads what is there; the truncated file still cannot be read, and says so
+    with pytest.raises(ConfigError) as info:
+        D.load_dataset(dataset_cfg("cifar10", path=str(root), allow_partial=True))
+    assert "data_batch_3" in str(info.value.value) and "readable CIFAR batch" in str(info.value)
+    (root / "data_batch_3").unlink()
+    with pytest.warns(UserWarning, match="loaded 12 of 50,000 training and 3 of 10,000 test images"):
+        train, test = D.load_dataset(dataset_cfg("cifar10", path=str(root), allow_partial=True))
+    assert len(train) == 12 and len(test) == 3
+
+
+def test_a_folder_of_no_known_format_is_a_config_error_before_any_run(tmp_path):
+    from fedmm.config import compose
+
+    (tmp_path / "images.zip").write_bytes(b"PK")
+    with pytest.raises(ConfigError) as info:
+        compose([f"dataset.path={tmp_path}"])
+    assert info.value.key == "dataset.path" and "found images.zip there" in str(info.value)
 
 
 # ----------------------------------------------------------------- label statistics

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import pickle
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -143,31 +144,92 @@ def _load_mnist5k(spec: _DatasetSpec) -> tuple[TensorData, TensorData]:
 # ------------------------------------------------------------------ local folders
 
 
-def _load_local(spec: _DatasetSpec) -> tuple[TensorData, TensorData]:
-    root = Path(spec.path)
-    allowed = "an existing folder: a datasets.save_to_disk output, cifar-10-batches-py or cifar-100-python"
+#: What a local folder may hold.
+LOCAL_FORMATS = "a datasets.save_to_disk output, cifar-10-batches-py or cifar-100-python"
+
+
+def detect_local_format(path: str | Path) -> tuple[str, Path]:
+    """(format, folder) of a local dataset folder, from its file names only (no data is read):
+    ``cifar10``, ``cifar100`` or ``hf``. ConfigError (``dataset.path``) when it is none of them."""
+    root = Path(path)
     if not root.is_dir():
-        raise ConfigError("dataset.path", spec.path, allowed)
+        raise ConfigError("dataset.path", str(path), "an existing folder: " + LOCAL_FORMATS)
     # Accept the parent folder of the extracted CIFAR archives too.
     for sub in ("cifar-10-batches-py", "cifar-100-python"):
         if (root / sub).is_dir():
             root = root / sub
-    if (root / "data_batch_1").is_file() and (root / "test_batch").is_file():
-        return _load_cifar10_batches(root, spec)
-    if (root / "train").is_file() and (root / "test").is_file():
-        return _load_cifar100_python(root, spec)
+    if any((root / f).is_file() for f in ("test_batch", "batches.meta")) or list(root.glob("data_batch_*")):
+        return "cifar10", root
+    if (root / "train").is_file() or (root / "test").is_file():
+        return "cifar100", root
     if any((root / f).is_file() for f in ("dataset_dict.json", "state.json")):
-        import datasets as hfds
+        return "hf", root
+    found = ", ".join(sorted(p.name for p in root.iterdir())[:8]) or "nothing"
+    raise ConfigError("dataset.path", str(path), f"{LOCAL_FORMATS} (found {found} there)")
 
-        return _from_hf_object(hfds.load_from_disk(str(root)), spec, origin="dataset.path")
-    raise ConfigError("dataset.path", spec.path, allowed + " (none found there)")
+
+def _load_local(spec: _DatasetSpec) -> tuple[TensorData, TensorData]:
+    kind, root = detect_local_format(spec.path)
+    if kind == "cifar10":
+        return _load_cifar10_batches(root, spec)
+    if kind == "cifar100":
+        return _load_cifar100_python(root, spec)
+    import datasets as hfds
+
+    return _from_hf_object(hfds.load_from_disk(str(root)), spec, origin="dataset.path")
+
+
+def _verified_cifar_files(root: Path, which: str, spec: _DatasetSpec) -> tuple[list[Path], list[Path]]:
+    """The train and test files of a CIFAR folder, checked against torchvision's md5 sums.
+
+    A missing file or one that fails its md5 check is refused, naming the file, unless
+    ``dataset.allow_partial`` is true: then the files that are there are used.
+    """
+    from torchvision.datasets import CIFAR10, CIFAR100
+    from torchvision.datasets.utils import check_integrity
+
+    cls = CIFAR10 if which == "cifar10" else CIFAR100
+    problems: list[str] = []
+    files: dict[str, list[Path]] = {"train": [], "test": []}
+    for split, listing in (("train", cls.train_list), ("test", cls.test_list)):
+        for name, md5 in listing:
+            path = root / name
+            if not path.is_file():
+                problems.append(f"{path} is missing")
+                continue
+            if not check_integrity(str(path), md5):
+                problems.append(f"{path} fails its md5 check (truncated or altered; expected {md5})")
+            files[split].append(path)
+    if problems and not spec.allow_partial:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise ConfigError(
+            "dataset.path", spec.path,
+            f"a complete {cls.base_folder} folder: {problems[0]}{more}; set dataset.allow_partial=true to load what is there",
+        )
+    if problems:
+        warnings.warn(f"dataset.allow_partial=true: {'; '.join(problems)}", stacklevel=3)
+    if not files["train"] or not files["test"]:
+        raise ConfigError("dataset.path", spec.path, f"a {cls.base_folder} folder with its training and test files")
+    return files["train"], files["test"]
+
+
+def _warn_partial(spec: _DatasetSpec, train: TensorData, test: TensorData, full: tuple[int, int]) -> None:
+    if (len(train), len(test)) != full:
+        warnings.warn(
+            f"dataset.allow_partial=true: loaded {len(train):,} of {full[0]:,} training and "
+            f"{len(test):,} of {full[1]:,} test images from {spec.path}",
+            stacklevel=3,
+        )
 
 
 def _unpickle(path: Path) -> dict:
     # The CIFAR python batches are pickles by design; only local folders the user
-    # points to are read.
-    with open(path, "rb") as f:
-        raw = pickle.load(f, encoding="bytes")
+    # points to are read, after their md5 check.
+    try:
+        with open(path, "rb") as f:
+            raw = pickle.load(f, encoding="bytes")
+    except Exception as err:  # truncated or not a CIFAR batch: name the file
+        raise ConfigError("dataset.path", str(path), f"a readable CIFAR batch file ({type(err).__name__}: {err})") from err
     return {k.decode() if isinstance(k, bytes) else k: v for k, v in raw.items()}
 
 
@@ -180,16 +242,17 @@ def _cifar_images(flat: Any) -> torch.Tensor:
 def _load_cifar10_batches(root: Path, spec: _DatasetSpec) -> tuple[TensorData, TensorData]:
     if spec.label_type is not None:
         raise ConfigError("dataset.label_type", spec.label_type, "null for a cifar-10-batches-py folder")
-    batch_files = sorted(root.glob("data_batch_*"), key=lambda p: p.name)
-    train = [_unpickle(p) for p in batch_files]
-    test = _unpickle(root / "test_batch")
+    train_files, test_files = _verified_cifar_files(root, "cifar10", spec)
 
-    def make(batches: list[dict]) -> TensorData:
+    def make(files: list[Path]) -> TensorData:
+        batches = [_unpickle(p) for p in files]
         x = torch.cat([_cifar_images(b["data"]) for b in batches])
         y = torch.from_numpy(np.concatenate([np.asarray(b["labels"], dtype=np.int64) for b in batches]))
         return _image_data_kw(spec, x=x, y=y)
 
-    return make(train), make([test])
+    train, test = make(train_files), make(test_files)
+    _warn_partial(spec, train, test, (50_000, 10_000))
+    return train, test
 
 
 def _load_cifar100_python(root: Path, spec: _DatasetSpec) -> tuple[TensorData, TensorData]:
@@ -200,7 +263,10 @@ def _load_cifar100_python(root: Path, spec: _DatasetSpec) -> tuple[TensorData, T
     def make(part: dict) -> TensorData:
         return _image_data_kw(spec, x=_cifar_images(part["data"]), y=torch.from_numpy(np.asarray(part[key], dtype=np.int64)))
 
-    return make(_unpickle(root / "train")), make(_unpickle(root / "test"))
+    (train_file,), (test_file,) = _verified_cifar_files(root, "cifar100", spec)
+    train, test = make(_unpickle(train_file)), make(_unpickle(test_file))
+    _warn_partial(spec, train, test, (50_000, 10_000))
+    return train, test
 
 
 # --------------------------------------------------------------- Hugging Face data

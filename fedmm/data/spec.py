@@ -42,6 +42,7 @@ _DATASET_KEYS = (
     "std",
     "test_split",
     "test_fraction",
+    "allow_partial",
 )
 
 
@@ -65,6 +66,7 @@ class _DatasetSpec:
     std: tuple[float, ...]
     test_split: str | None
     test_fraction: float
+    allow_partial: bool = False
 
 
 def _require(cfg: Mapping, key: str, group: str) -> Any:
@@ -198,7 +200,15 @@ def _dataset_spec(cfg: Mapping) -> _DatasetSpec:
         std=std,
         test_split=test_split,
         test_fraction=float(test_fraction),
+        allow_partial=_allow_partial(cfg),
     )
+
+
+def _allow_partial(cfg: Mapping) -> bool:
+    value = _require(cfg, "allow_partial", "dataset")
+    if not isinstance(value, (bool, np.bool_)):
+        raise ConfigError("dataset.allow_partial", value, "true or false")
+    return bool(value)
 
 
 def check_dataset_config(dataset_cfg: Mapping) -> None:
@@ -308,8 +318,12 @@ def input_spec(dataset_cfg: Mapping) -> InputSpec:
 def _check_dataset_group(values: Mapping, cfg: Mapping) -> None:
     _dataset_spec(values)
     path = values.get("path")
-    if path and not os.path.exists(os.path.expanduser(str(path))):
-        raise ConfigError("dataset.path", path, "an existing local dataset folder (save_to_disk output or CIFAR python batches), or null")
+    if path:
+        if not os.path.exists(os.path.expanduser(str(path))):
+            raise ConfigError("dataset.path", path, "an existing local dataset folder (save_to_disk output or CIFAR python batches), or null")
+        from fedmm.data.sources import detect_local_format
+
+        detect_local_format(os.path.expanduser(str(path)))  # its format, from file names only
 
 
 def _check_partition_group(values: Mapping, cfg: Mapping) -> None:
