@@ -42,3 +42,32 @@ def read_metrics(path: Path | str) -> list[dict[str, Any]]:
     lines = text.split("\n")
     complete = lines[:-1]  # the text after the last newline is unfinished (usually "")
     return [json.loads(line) for line in complete if line.strip()]
+
+
+def run_status(run_dir: Path | str) -> tuple[str, str]:
+    """(status, reason) of a run directory from its ``summary.json`` (``missing`` when absent)."""
+    summary = Path(run_dir) / SUMMARY_FILE
+    if not summary.is_file():
+        return "missing", f"no {SUMMARY_FILE} in {run_dir} (the run did not start, or is still running)"
+    data = json.loads(summary.read_text(encoding="utf-8"))
+    return str(data.get("status", "unknown")), str(data.get("reason", ""))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m fedmm.results check <run dir>``: exit 0 when the run completed, 1 otherwise.
+
+    ``flwr run --stream`` exits 0 even when the ServerApp failed: scripts check this instead.
+    """
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("command", choices=("check",))
+    parser.add_argument("run_dir")
+    args = parser.parse_args(argv)
+    status, reason = run_status(args.run_dir)
+    print(f"{args.run_dir}: {status}" + (f" ({reason})" if reason else ""))
+    return 0 if status == "completed" else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

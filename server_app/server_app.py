@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from logging import ERROR, INFO
 
 from flwr.app import Context
@@ -30,9 +31,30 @@ def is_simulation(grid: Grid) -> bool:
     return isinstance(grid, InMemoryGrid)
 
 
+def where_the_app_runs() -> str:
+    """Who runs this ServerApp, with which Python, from which code: ``flwr run`` joins any local
+    SuperLink on its port, so the first log line says whose environment the run is in."""
+    import getpass
+    import sys
+    from pathlib import Path
+
+    import fedmm
+    import strategies
+
+    roots = {Path(m.__file__).resolve().parent.parent for m in (fedmm, strategies, client_app.local_update)}
+    if len(roots) > 1:
+        raise ConfigError(
+            "app", sorted(map(str, roots)),
+            "one copy of the app: its packages come from different folders (another checkout is installed "
+            "in this SuperLink's environment); run your own local SuperLink (see README, 'Local SuperLink')",
+        )
+    return f"user {getpass.getuser()} (uid {os.getuid()}), Python {sys.executable}, app code in {roots.pop()}"
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """Entry point of ``flwr run``: ``-c`` keys become hydra overrides of ``conf/``."""
+    log(INFO, "fedmm ServerApp: %s", where_the_app_runs())
     try:
         cfg = compose_from_run_config(context.run_config)
     except ConfigError as err:

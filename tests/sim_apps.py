@@ -1,5 +1,5 @@
 """Apps for the simulation tests: a ClientApp whose partition 0 always fails, and a
-ServerApp factory that records every train message it sends."""
+ServerApp factory that records every train message it sends (as pushed to the grid)."""
 
 from __future__ import annotations
 
@@ -41,24 +41,28 @@ class RecordingGrid:
     def __init__(self, grid: Grid, log: list[tuple[int, int, str]]) -> None:
         self._grid, self.log = grid, log
 
-    def send_and_receive(self, messages, *, timeout=None):
+    def push_messages(self, messages):
         messages = list(messages)
         for m in messages:
             if m.metadata.message_type == MessageType.TRAIN:
                 self.log.append((int(m.content["config"]["server-round"]), m.metadata.dst_node_id, arrays_digest(m)))
-        return self._grid.send_and_receive(messages, timeout=timeout)
+        return self._grid.push_messages(messages)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._grid, name)
 
 
-def recording_server_app(cfg: dict, log: list, out: dict) -> ServerApp:
+def recording_server_app(cfg: dict | list[dict], log: list, out: dict) -> ServerApp:
+    """A ServerApp that runs one experiment, or several one after the other (``out["dirs"]``),
+    on one simulation, logging every train message."""
     from server_app.runner import run_experiment
 
     app = ServerApp()
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
-        out["dir"] = run_experiment(RecordingGrid(grid, log), cfg)
+        for one in cfg if isinstance(cfg, list) else [cfg]:
+            out.setdefault("dirs", []).append(run_experiment(RecordingGrid(grid, log), one))
+            out["dir"] = out["dirs"][-1]
 
     return app

@@ -1,5 +1,6 @@
 """Ctrl-C during a real simulation: fedmm stops within seconds, ends Ray and every process it
-started, leaves a checkpoint and status `interrupted`; the run then resumes to completion."""
+started, and leaves the checkpoint of its last completed round and status `interrupted` (that a
+checkpoint resumes exactly is tested in tests/test_same_results.py)."""
 
 from __future__ import annotations
 
@@ -19,14 +20,14 @@ from tests.conftest import pids_mentioning
 BIN = Path(sys.executable).parent
 
 
-def test_sigint_stops_with_a_checkpoint_and_the_run_resumes(tmp_path: Path, ray_env: dict) -> None:
+def test_sigint_stops_within_seconds_with_a_checkpoint(tmp_path: Path, ray_env: dict) -> None:
     run = tmp_path / "run"
     cmd = [str(BIN / "fedmm"), "num_rounds=50", "num_clients=4", "clients_per_round=2", "training.local_epochs=1",
            "checkpoint_every=100", f"hydra.run.dir={run}"]  # no periodic checkpoint: only the stop writes one
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=ray_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 300
-    while not ((run / "metrics.jsonl").exists() and len(read_metrics(run)) >= 3):
-        assert proc.poll() is None and time.time() < deadline, "the run did not reach round 2"
+    while not ((run / "metrics.jsonl").exists() and len(read_metrics(run)) >= 2):
+        assert proc.poll() is None and time.time() < deadline, "the run did not reach round 1"
         time.sleep(0.3)
     proc.send_signal(signal.SIGINT)
     start = time.time()
@@ -39,12 +40,7 @@ def test_sigint_stops_with_a_checkpoint_and_the_run_resumes(tmp_path: Path, ray_
     assert pids_mentioning(ray_env["RAY_TMPDIR"]) == []  # Ray and its workers are gone
     summary = json.loads((run / "summary.json").read_text())
     done = summary["rounds_completed"]
-    assert summary["status"] == "interrupted" and done >= 2
-    assert torch.load(run / "checkpoint.pt", weights_only=False)["round"] == done
-    resumed = subprocess.run(
-        [str(BIN / "fedmm"), f"resume={run}", f"num_rounds={done + 1}", f"hydra.run.dir={tmp_path / 'hydra'}"],
-        cwd=tmp_path, env=ray_env, capture_output=True, text=True, timeout=300,
-    )
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert [r["round"] for r in read_metrics(run)] == list(range(done + 2))
-    assert json.loads((run / "summary.json").read_text())["status"] == "completed"
+    assert summary["status"] == "interrupted" and done >= 1
+    checkpoint = torch.load(run / "checkpoint.pt", weights_only=False)
+    assert checkpoint["round"] == done and [r["round"] for r in checkpoint["metrics"]] == list(range(done + 1))
+    assert [r["round"] for r in read_metrics(run)] == list(range(done + 1))

@@ -87,41 +87,44 @@ def test_flwr_run_simulation_writes_metrics(tmp_path: Path) -> None:
     assert "num_clients: 4" in (out / "config.yaml").read_text()
 
 
-@pytest.mark.parametrize("strategy", ["fedmr", "fedcross"])
-def test_multimodel_simulation_dispatch_stages_and_failing_client(tmp_path: Path, strategy: str) -> None:
-    """K = N = 3 so every node trains every round; partition 0 always fails."""
+def test_multimodel_simulation_dispatch_stages_and_failing_client(tmp_path: Path) -> None:
+    """FedMR, then FedCross, in one simulation: K = N = 3 so every node trains every round;
+    partition 0 always fails."""
     from flwr.simulation import run_simulation
 
     from tests.sim_apps import failing_client_app, recording_server_app
 
-    cfg = to_container(
-        compose([
+    strategies = ["fedmr", "fedcross"]
+    cfgs = [
+        to_container(compose([
             f"strategy={strategy}", "strategy.first_stage_rounds=1", "num_rounds=3", "num_clients=3",
-            "clients_per_round=3", "training.local_epochs=1", f"output_dir={tmp_path / 'run'}",
-        ])
-    )
+            "clients_per_round=3", "training.local_epochs=1", f"output_dir={tmp_path / strategy}",
+        ]))
+        for strategy in strategies
+    ]
     log: list = []
     out: dict = {}
     run_simulation(
-        server_app=recording_server_app(cfg, log, out),
+        server_app=recording_server_app(cfgs, log, out),
         client_app=failing_client_app,
         num_supernodes=3,
         backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"logging_level": "ERROR"}},
     )
-    run = out["dir"]
-    digests = defaultdict(list)
-    for rnd, _, digest in log:
-        digests[rnd].append(digest)
-    assert sorted(digests) == [1, 2, 3] and all(len(v) == 3 for v in digests.values())
-    assert len(set(digests[1])) == 1  # initial model
-    assert len(set(digests[2])) == 1  # stage 1 reset every model to the aggregate
-    assert digests[2][0] != digests[1][0]
-    assert len(set(digests[3])) == 3  # recombined / cross-aggregated: pairwise different
-    rows = read_metrics(run)
-    assert [r.get("replies") for r in rows[1:]] == [2, 2, 2]  # the failing node never replies with a model
-    assert json.loads((run / "summary.json").read_text())["status"] == "completed"
-    with np.load(run / "final_models.npz") as pool:
-        assert {name.split("/")[0] for name in pool.files} == {"0", "1", "2"}  # still K models
+    assert len(out["dirs"]) == 2
+    for index, run in enumerate(out["dirs"]):
+        digests = defaultdict(list)
+        for rnd, _, digest in log[9 * index : 9 * (index + 1)]:  # 3 rounds x 3 messages per run
+            digests[rnd].append(digest)
+        assert sorted(digests) == [1, 2, 3] and all(len(v) == 3 for v in digests.values())
+        assert len(set(digests[1])) == 1  # initial model
+        assert len(set(digests[2])) == 1  # stage 1 reset every model to the aggregate
+        assert digests[2][0] != digests[1][0]
+        assert len(set(digests[3])) == 3, strategies[index]  # recombined / cross-aggregated: pairwise different
+        rows = read_metrics(run)
+        assert [r.get("replies") for r in rows[1:]] == [2, 2, 2]  # the failing node never replies with a model
+        assert json.loads((run / "summary.json").read_text())["status"] == "completed"
+        with np.load(run / "final_models.npz") as pool:
+            assert {name.split("/")[0] for name in pool.files} == {"0", "1", "2"}  # still K models
 
 
 @pytest.mark.parametrize("preset", ["fedprox"])  # FedRL's preset runs in tests/test_same_results.py

@@ -17,8 +17,6 @@ build_model(name, spec)
 
 from __future__ import annotations
 
-from __future__ import annotations
-
 from collections.abc import Callable
 
 from fedmm.data.spec import InputSpec
@@ -46,7 +44,6 @@ def _check_positive(key: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(key, value, "a positive integer")
     return value
-
 
 
 def build_model(name: str, spec: InputSpec) -> LayeredModel:

@@ -6,6 +6,7 @@ from torch import nn
 
 from fedmm.models.layered import LayeredModel, _fc_block, _too_small
 
+
 def _build_cnn(in_channels: int, num_classes: int, image_size: int) -> LayeredModel:
     """CNN of the FedAvg paper (McMahan et al. 2017), 4 layers.
 
@@ -47,4 +48,3 @@ def _build_lenet(in_channels: int, num_classes: int, image_size: int) -> Layered
         _fc_block(120, 84),
         _fc_block(84, num_classes, relu=False),
     ])
-

@@ -9,6 +9,7 @@ from torch import nn
 
 from fedmm.errors import ConfigError
 
+
 class LayeredModel(nn.Module):
     """A network made of an ordered sequence of top-level blocks.
 
@@ -86,4 +87,3 @@ def _fc_block(in_features: int, out_features: int, *, flatten: bool = False,
 
 def _too_small(image_size: int, model: str, minimum: int) -> ConfigError:
     return ConfigError("dataset.image_size", image_size, f">= {minimum} for model {model!r}")
-

@@ -7,6 +7,7 @@ from torch import nn
 
 from fedmm.models.layered import LayeredModel, _too_small
 
+
 def _init_resnet(model: nn.Module) -> None:
     """He init for convs, identity BN, as in He et al. 2015/2016 and torchvision."""
     for mod in model.modules():
@@ -133,4 +134,3 @@ def _build_resnet20_preact(in_channels: int, num_classes: int, image_size: int) 
     ])
     _init_resnet(model)
     return model
-

@@ -42,4 +42,3 @@ def _build_vgg16(in_channels: int, num_classes: int, image_size: int) -> Layered
         fc1.insert(0, nn.AdaptiveAvgPool2d(1))
     layers += [fc1, _fc_block(4096, 4096, dropout=0.5), _fc_block(4096, num_classes, relu=False)]
     return LayeredModel(layers)
-
