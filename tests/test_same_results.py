@@ -10,9 +10,9 @@ them in slot order, which is reproducible; the last-digit differences this makes
 (measured: at most 1.5e-4 relative after 5 rounds) change no accuracy (docs/architecture.md,
 "Same results").
 
-FedAvg, FedMR and FedCross are checked through the resume path (one real run killed after its
-round-2 checkpoint, then ``fedmm resume=<dir>``); the other presets run straight, in one
-``fedmm -m`` sweep.
+FedAvg, FedMR and FedCross are checked through the resume path (one real ``fedmm`` run killed
+after its round-2 checkpoint, then ``fedmm resume=<dir>``); the other presets run straight, one
+after the other on one simulation.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from fedmm.results import read_metrics
 from tests.conftest import pids_mentioning
@@ -55,19 +54,24 @@ def assert_same_results(rows: list[dict], expected: list[dict], loss_rtol: float
             assert row["loss"] == want["loss"], row["round"]
 
 
-def test_presets_give_the_recorded_results(tmp_path: Path, ray_env: dict) -> None:
+def test_presets_give_the_recorded_results(tmp_path: Path) -> None:
+    """The four presets run one after the other on one simulation (one Ray start), each from its
+    own validated default config, as ``fedmm strategy=<preset> num_rounds=5 seed=0`` would."""
+    from flwr.simulation import run_simulation
+
+    from client_app.client_app import app as client_app
+    from fedmm.config import compose, to_container
+    from fedmm.cli import backend_config
+    from tests.sim_apps import recording_server_app
+
     presets = ["fedmr_two_stage", "fedcross_accel", "fedprox", "fedrl"]
-    sweep = tmp_path / "sweep"
-    cmd = [str(BIN / "fedmm"), "-m", f"strategy={','.join(presets)}", "num_rounds=5", "seed=0", f"hydra.sweep.dir={sweep}"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=ray_env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    runs = sorted(p.parent for p in sweep.glob("*/metrics.jsonl"))
-    assert len(runs) == len(presets)  # one directory per job
-    for job, preset in enumerate(presets):
-        (run,) = sweep.glob(f"{job}_*")
-        saved = yaml.safe_load((run / "config.yaml").read_text())
-        assert saved["output_dir"] == str(run) and saved["num_rounds"] == 5  # the job's own config
-        assert_same_results(read_metrics(run), fixture(preset), LOSS_RTOL.get(preset, 0.0))
+    cfgs = [to_container(compose([f"strategy={p}", "num_rounds=5", "seed=0", f"output_dir={tmp_path / p}"])) for p in presets]
+    out: dict = {}
+    run_simulation(server_app=recording_server_app(cfgs, [], out), client_app=client_app,
+                   num_supernodes=cfgs[0]["simulation"]["num_supernodes"], backend_config=backend_config(cfgs[0]))
+    assert [d.name for d in out["dirs"]] == presets
+    for preset in presets:
+        assert_same_results(read_metrics(tmp_path / preset), fixture(preset), LOSS_RTOL.get(preset, 0.0))
 
 
 def wait_for_checkpoint(run: Path, round_: int, proc: subprocess.Popen, timeout: float = 600) -> None:
