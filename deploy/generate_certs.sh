@@ -46,6 +46,8 @@ done
 for n in "$supernodes" "$days" "$rsa_bits"; do
     [[ "$n" =~ ^[0-9]+$ ]] || { echo "--supernodes, --days and --rsa-bits need whole numbers, got '$n'" >&2; exit 2; }
 done
+(( days >= 1 )) || { echo "--days must be at least 1, got $days" >&2; exit 2; }
+(( rsa_bits >= 2048 )) || { echo "--rsa-bits must be at least 2048 (smaller RSA keys are insecure), got $rsa_bits" >&2; exit 2; }
 for tool in openssl ssh-keygen; do
     command -v "$tool" >/dev/null || { echo "$tool is required but not installed" >&2; exit 1; }
 done

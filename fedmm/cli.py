@@ -89,6 +89,21 @@ class JobFailed(RuntimeError):
 FAILED_JOBS: list[tuple[str, str]] = []
 
 
+_JOB_FILE_HANDLERS: list[logging.Handler] = []
+
+
+def log_to_job_file() -> None:
+    """Attach the hydra job's log file (the root logger's file handler) to Flower's logger,
+    replacing the previous job's in a sweep."""
+    flwr_logger = logging.getLogger("flwr")
+    while _JOB_FILE_HANDLERS:
+        flwr_logger.removeHandler(_JOB_FILE_HANDLERS.pop())
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            flwr_logger.addHandler(handler)
+            _JOB_FILE_HANDLERS.append(handler)
+
+
 def register_schemas() -> None:
     """Import the packages whose config groups register their schemas."""
     import client_app.local_update  # noqa: F401
@@ -127,8 +142,10 @@ def _hydra_main(cfg: DictConfig) -> None:
         preflight(resolved)
     except ConfigError as err:
         raise SystemExit(str(err)) from None
-    # Flower logs to its own console handler; stop hydra's root handler from printing it twice.
+    # Flower logs to its own console handler; stop hydra's root handler from printing it twice,
+    # but send its lines (the round-by-round progress) to this job's hydra log file too.
     logging.getLogger("flwr").propagate = False
+    log_to_job_file()
     print(f"fedmm: results -> {resolved['output_dir']}", flush=True)
     try:
         run_dir = run_job(resolved)

@@ -131,7 +131,8 @@ class RunRecorder:
         write_atomic(self.path / METRICS_FILE, "".join(json.dumps(json_safe(row)) + "\n" for row in self.history))
 
     def log_metrics(self, row: Mapping[str, Any]) -> None:
-        """Append one evaluated round to ``metrics.jsonl`` (one write of the whole line, synced)."""
+        """Append one evaluated round to ``metrics.jsonl`` (one write of the whole line, synced),
+        rewrite ``metrics.csv`` and add the round's scalars to the TensorBoard event file."""
         self.history.append(dict(row))
         line = (json.dumps(json_safe(dict(row))) + "\n").encode("utf-8")
         fd = os.open(self.path / METRICS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -140,6 +141,41 @@ class RunRecorder:
             os.fsync(fd)
         finally:
             os.close(fd)
+        self.write_csv()
+        self._tensorboard(row)
+
+    def write_csv(self) -> None:
+        """``metrics.csv``: the rows of ``metrics.jsonl`` as a table (every column any row has)."""
+        import csv
+        import io
+
+        columns: list[str] = []
+        for row in self.history:
+            columns += [k for k in row if k not in columns]
+        out = io.StringIO()
+        writer = csv.DictWriter(out, fieldnames=columns, lineterminator="\n")
+        writer.writeheader()
+        for row in self.history:
+            writer.writerow({k: ("" if v is None else v) for k, v in json_safe(row).items()})
+        write_atomic(self.path / "metrics.csv", out.getvalue())
+
+    def _tensorboard(self, row: Mapping[str, Any]) -> None:
+        # TensorBoard event files in <run dir>/tensorboard (``tensorboard --logdir <run dir>``)
+        if getattr(self, "_writer", None) is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=str(self.path / "tensorboard"))
+        step = int(row["round"])
+        for key, value in row.items():
+            if key != "round" and isinstance(value, (int, float)) and value == value:
+                self._writer.add_scalar(key.replace("_", "/", 1) if key.startswith("federated_") else f"global/{key}", value, step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        """Close the TensorBoard writer."""
+        if getattr(self, "_writer", None) is not None:
+            self._writer.close()
+            self._writer = None
 
     def write_json(self, name: str, data: Any) -> None:
         """Write ``data`` as ``name`` (JSON, non-finite numbers as null), atomically."""
@@ -171,6 +207,10 @@ class RunRecorder:
         ax_loss.set_xlabel("round")
         ax_loss.set_ylabel("test loss")
         ax_loss.grid(alpha=0.3)
+        from matplotlib.ticker import MaxNLocator
+
+        for ax in (ax_acc, ax_loss):
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole numbers
         fig.suptitle(title)
         fig.tight_layout()
         fig.savefig(out, dpi=100)

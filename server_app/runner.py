@@ -115,6 +115,29 @@ def fit_federation_size(cfg: dict[str, Any], grid: Grid) -> None:
             raise ConfigError("clients_per_round", cfg["clients_per_round"], f"at most the {connected} SuperNodes of the federation")
 
 
+def time_left(history: list[dict[str, Any]], num_rounds: int) -> str:
+    """Remaining time from the steady-state rounds: the mean duration of the rounds after the
+    first (which carries start-up and warm-up), times the rounds left."""
+    rows = [r for r in history if r["round"] >= 1]
+    if not rows:
+        return "starting"
+    last = rows[-1]
+    if len(rows) >= 2:
+        per_round = (last["seconds"] - rows[0]["seconds"]) / (last["round"] - rows[0]["round"])
+    else:
+        per_round = last["seconds"] / last["round"]
+    return f"~{per_round * (num_rounds - last['round']):.0f}s left"
+
+
+def plot_title(cfg: Mapping[str, Any]) -> str:
+    """Method, model, dataset, partition (with α) and seed, for plots."""
+    p = cfg["partition"]
+    partition = f"Dir(α={p['alpha']})" if p["name"] == "dirichlet" else p["name"]
+    objective = cfg["objective"]["name"]
+    method = cfg["strategy"]["name"] + ("" if objective == "ce" else f"+{objective}")
+    return f"{method} · {cfg['model']['name']} · {cfg['dataset']['name']} · {partition} · seed {cfg['seed']}"
+
+
 def run_experiment(grid: Grid, cfg_in: Mapping[str, Any], simulation: bool = True) -> Path:
     """Run (or, with ``resume``, continue) the configured experiment on ``grid``; return the run directory.
 
@@ -197,7 +220,7 @@ def _run_locked(grid: Grid, cfg: dict[str, Any], run_dir: Path, checkpoint: dict
                     row["federated_accuracy"] = federated.get("accuracy")
                     row["federated_loss"] = federated.get("loss")
             recorder.log_metrics(row)
-            left = f"~{elapsed / server_round * (num_rounds - server_round):.0f}s left" if server_round else "starting"
+            left = time_left(recorder.history, num_rounds)
             log(
                 INFO,
                 "[fedmm] round %d/%d  accuracy %.4f  loss %.4f  elapsed %.1fs  %s",
@@ -264,7 +287,8 @@ def _run_locked(grid: Grid, cfg: dict[str, Any], run_dir: Path, checkpoint: dict
         if status["status"] != "completed":
             log(ERROR, "fedmm run %s: %s", status["status"], status.get("reason", ""))
         if recorder.history:
-            recorder.plot_learning_curve(f"{cfg['strategy']['name']} · {cfg['dataset']['name']} · {cfg['partition']['name']} · seed {cfg['seed']}")
+            recorder.plot_learning_curve(plot_title(cfg))
+        recorder.close()
         recorder.write_json(
             "summary.json",
             {

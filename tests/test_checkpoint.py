@@ -79,3 +79,40 @@ def test_waiting_for_nodes_has_a_deadline() -> None:
     with pytest.raises(NotEnoughNodes) as info:
         SeededRosterSelector(0, min_nodes_timeout=0.2).ordered_nodes(TwoNodes(), minimum=3)
     assert "only 2 node(s) connected within min_nodes_timeout=0.2s" in str(info.value)
+
+
+def test_metrics_csv_and_tensorboard_follow_every_round(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    recorder = RunRecorder(tmp_path, {"seed": 0})
+    recorder.log_metrics({"round": 0, "accuracy": 0.1, "loss": 2.3})
+    recorder.log_metrics({"round": 1, "accuracy": 0.5, "loss": 1.2, "replies": 3, "federated_accuracy": 0.4})
+    recorder.close()
+    lines = (tmp_path / "metrics.csv").read_text().splitlines()
+    assert lines[0] == "round,accuracy,loss,replies,federated_accuracy"
+    assert lines[1] == "0,0.1,2.3,," and lines[2] == "1,0.5,1.2,3,0.4"
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, round(e.value, 6)) for e in events.Scalars("global/accuracy")] == [(0, 0.1), (1, 0.5)]  # float32
+    assert [e.step for e in events.Scalars("federated/accuracy")] == [1]
+
+
+def test_time_left_uses_the_steady_state_rounds_and_titles_name_model_and_alpha() -> None:
+    from fedmm.config import compose, to_container
+    from server_app.runner import plot_title, time_left
+
+    history = [{"round": 0, "seconds": 1.0}, {"round": 1, "seconds": 20.0}, {"round": 2, "seconds": 24.0}, {"round": 3, "seconds": 28.0}]
+    assert time_left(history, 10) == "~28s left"  # 4 s per round after round 1's warm-up, 7 rounds left
+    assert time_left(history[:1], 10) == "starting"
+    cfg = to_container(compose(["strategy=fedmr", "partition.alpha=0.1", "model=lenet"]))
+    assert plot_title(cfg) == "fedmr · lenet · mnist5k · Dir(α=0.1) · seed 0"
+
+
+@pytest.mark.parametrize(("args", "message"), [(["--rsa-bits", "1024"], "at least 2048"), (["--days", "0"], "at least 1")])
+def test_the_certificate_script_refuses_weak_keys_and_empty_lifetimes(tmp_path: Path, args: list, message: str) -> None:
+    import subprocess
+
+    script = Path(__file__).resolve().parent.parent / "deploy" / "generate_certs.sh"
+    proc = subprocess.run(["bash", str(script), "--out", str(tmp_path / "certs"), *args], capture_output=True, text=True)
+    assert proc.returncode == 2 and message in proc.stderr
+    assert not (tmp_path / "certs").exists()

@@ -189,3 +189,5 @@ def test_a_sweep_with_a_failed_job_finishes_the_others_lists_the_failure_and_exi
     statuses = {p.parent.name.split("_")[0]: json.loads(p.read_text())["status"] for p in sweep.glob("*/summary.json")}
     assert statuses == {"0": "completed", "1": "failed"}
     assert "fedmm: 1 job(s) failed:" in proc.stdout and "no CUDA device" in proc.stdout
+    (job0,) = sweep.glob("0_*")
+    assert "[fedmm] round 1/1" in (job0 / "cli.log").read_text()  # the hydra job log has the progress lines

@@ -63,6 +63,10 @@ def plot_label_histograms(hist: np.ndarray, path: str | os.PathLike) -> None:
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     ax.scatter(clients, classes, s=sizes, c="tab:red", alpha=0.6, edgecolors="none")
+    if counts.size:  # what a bubble's area means: three reference sizes
+        refs = sorted({int(v) for v in np.quantile(counts, [0.1, 0.5, 1.0]).round()} - {0})
+        handles = [ax.scatter([], [], s=r / counts.max() * max_area, c="tab:red", alpha=0.6, edgecolors="none") for r in refs]
+        ax.legend(handles, [f"{r} samples" for r in refs], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False, labelspacing=1.8, borderpad=1.0)
     ax.set_xlabel("Client ID")
     ax.set_ylabel("Class label")
     ax.set_xlim(-0.7, num_clients - 0.3)
@@ -75,4 +79,4 @@ def plot_label_histograms(hist: np.ndarray, path: str | os.PathLike) -> None:
     fig.tight_layout()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, format="png", dpi=120)
+    fig.savefig(out, format="png", dpi=120, bbox_inches="tight")
