@@ -47,8 +47,10 @@ def run_job(cfg: dict[str, Any]) -> Path:
     from flwr.simulation import run_simulation
 
     from client_app.client_app import app as client_app
+    from fedmm.interrupt import abort, reset
     from server_app.runner import run_experiment
 
+    reset()
     out: dict[str, Path] = {}
     server_app = ServerApp()
 
@@ -69,8 +71,15 @@ def run_job(cfg: dict[str, Any]) -> Path:
                 num_supernodes=int(cfg["simulation"]["num_supernodes"]),
                 backend_config=backend_config(cfg),
             )
-        except Exception as err:  # the ServerApp's own error, re-raised by the simulation
+        except Exception as err:  # the ServerApp's own error, or the simulation runtime's
             out.setdefault("error", err)
+            if out["error"] is err:
+                # the runtime itself stopped (e.g. Ray could place no ClientApp): the ServerApp
+                # thread would wait for replies that cannot come; stop it now, as failed
+                abort(f"the simulation runtime stopped: {type(err).__name__}: {err}")
+        finally:
+            if "dir" not in out and "error" not in out:
+                abort("the simulation runtime stopped before the experiment finished")
     if "error" in out:
         err = out["error"]
         if isinstance(err, KeyboardInterrupt):
@@ -161,7 +170,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 def main() -> None:
     """Console-script entry point: exits non-zero when any job of the run or sweep failed,
     130 when it was stopped by SIGINT / SIGTERM."""
-    from server_app.interrupt import install_signal_handlers
+    from fedmm.interrupt import install_signal_handlers
 
     install_signal_handlers()
     try:

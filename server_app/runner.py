@@ -27,8 +27,8 @@ from fedmm.data import input_spec, label_histograms, load_dataset, partition_ind
 from fedmm.errors import ConfigError
 from fedmm.evaluation import evaluate as evaluate_model
 from fedmm.evaluation import resolve_device
+from fedmm.interrupt import STOP, raise_if_stopped
 from fedmm.models import build_model
-from server_app.interrupt import STOP, raise_if_stopped
 from server_app.checkpoint import load_checkpoint, restore_rng_states, rng_states, save_checkpoint
 from server_app.recording import RunLock, RunRecorder, create_run_dir
 from strategies import build_strategy
@@ -46,7 +46,7 @@ def payload_bytes(messages: list[Message]) -> int:
 
 class CountingGrid:
     """A Grid proxy that counts the array bytes sent to and received from the nodes, and stops
-    waiting for replies as soon as a stop is requested (:mod:`server_app.interrupt`)."""
+    waiting for replies as soon as a stop is requested (:mod:`fedmm.interrupt`)."""
 
     def __init__(self, grid: Grid, poll_interval: float = 0.1) -> None:
         self._grid = grid
@@ -88,6 +88,7 @@ def federation_size(grid: Grid, settle: float = 1.0, timeout: float = 60.0) -> i
     start = changed = time.monotonic()
     last = -1
     while True:
+        raise_if_stopped()
         count = len(list(grid.get_node_ids()))
         now = time.monotonic()
         if count != last:

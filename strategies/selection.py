@@ -16,6 +16,7 @@ from flwr.serverapp import Grid
 from flwr.supercore import log
 
 from fedmm import protocol
+from fedmm.interrupt import raise_if_stopped
 
 
 class NotEnoughNodes(RuntimeError):
@@ -67,6 +68,7 @@ class SeededRosterSelector(ClientSelector):
         start = time.monotonic()
         last_log = -10.0
         while len(node_ids := sorted(grid.get_node_ids())) < minimum:
+            raise_if_stopped()
             waited = time.monotonic() - start
             if self.min_nodes_timeout is not None and waited >= self.min_nodes_timeout:
                 raise NotEnoughNodes(

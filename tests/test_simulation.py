@@ -191,3 +191,16 @@ def test_a_sweep_with_a_failed_job_finishes_the_others_lists_the_failure_and_exi
     assert "fedmm: 1 job(s) failed:" in proc.stdout and "no CUDA device" in proc.stdout
     (job0,) = sweep.glob("0_*")
     assert "[fedmm] round 1/1" in (job0 / "cli.log").read_text()  # the hydra job log has the progress lines
+
+
+def test_a_simulation_runtime_that_cannot_start_fails_the_job_at_once(tmp_path: Path, ray_env: dict) -> None:
+    """Ray can place no ClientApp (64 CPUs each on this machine): the runtime stops; the job
+    fails at once with status failed and the runtime's reason, instead of waiting for replies."""
+    run = tmp_path / "run"
+    cmd = [str(BIN / "fedmm"), "num_rounds=3", "num_clients=2", "clients_per_round=1", "simulation.client_cpus=64",
+           "training.local_epochs=1", f"hydra.run.dir={run}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path, env=ray_env)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["rounds_completed"] == 0
+    assert "the simulation runtime stopped" in summary["reason"]
