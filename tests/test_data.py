@@ -564,3 +564,16 @@ def test_local_test_rows_are_held_out_of_training(mnist5k):
     with pytest.raises(ConfigError) as info:
         D.load_partition(d, {**p, "local_test_fraction": 0.0}, 3, 20, 0, part="test")
     assert info.value.key == "partition.local_test_fraction"
+
+
+def test_offline_the_hub_is_asked_once_and_the_error_says_what_to_do(monkeypatch):
+    """HF_HUB_OFFLINE (set by conftest, as on an offline machine): no retries, one clear error."""
+    import datasets as hfds
+
+    calls = []
+    real = hfds.load_dataset
+    monkeypatch.setattr(hfds, "load_dataset", lambda *a, **k: calls.append(a) or real(*a, **k))
+    with pytest.raises(RuntimeError) as info:
+        D.load_dataset(dataset_cfg("cifar10"))
+    assert len(calls) == 1
+    assert "dataset.hf_id='uoft-cs/cifar10'" in str(info.value) and "set dataset.path" in str(info.value)
