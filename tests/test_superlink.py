@@ -49,3 +49,18 @@ def test_the_outcome_check_exits_zero_only_for_a_completed_run(tmp_path: Path, c
     assert "failed (RunFailed: no replies)" in capsys.readouterr().out
     (tmp_path / "summary.json").write_text(json.dumps({"status": "completed"}))
     assert results_main(["check", str(tmp_path)]) == 0
+
+
+def test_the_serverapp_names_where_it_runs_and_refuses_mixed_app_copies(monkeypatch, tmp_path: Path) -> None:
+    import pytest
+
+    import strategies
+    from fedmm.errors import ConfigError
+    from server_app.server_app import where_the_app_runs
+
+    here = where_the_app_runs()
+    assert f"uid {os.getuid()}" in here and sys.executable.split("/")[-1] in here
+    monkeypatch.setattr(strategies, "__file__", str(tmp_path / "other-checkout" / "strategies" / "__init__.py"))
+    with pytest.raises(ConfigError) as info:
+        where_the_app_runs()
+    assert info.value.key == "app" and "different folders" in str(info.value)
