@@ -78,6 +78,20 @@ def compose_cfg(args: argparse.Namespace, strategy: str, client_cpus: float, out
     return cfg
 
 
+#: Benchmark shapes: the app's default config, and the seed papers' experiments (FedMR / FedCross:
+#: 100 clients, 10 per round, Dirichlet 0.1, 5 local epochs, batch 50, the cnn; on mnist5k that is
+#: 40 training images per client on average, 1 to 172, so a handful of SGD steps per client; the
+#: papers' minimum partition size cannot be met by any Dirichlet(0.1) draw over 4,000 images).
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "default": {"args": {"rounds": 5}, "override": []},
+    "papers": {
+        "args": {"rounds": 10, "num_clients": 100, "clients_per_round": 10, "local_epochs": 5, "model": "cnn"},
+        "override": ["partition=dirichlet", "partition.alpha=0.1", "partition.min_partition_size=1",
+                     "training.batch_size=50"],
+    },
+}
+
+
 def per_round(seconds: dict[int, float], rounds: int) -> float | None:
     """(seconds at the last round - seconds at round 1) / (rounds - 1); None for one round."""
     if rounds < 2:
@@ -372,6 +386,172 @@ def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+# --------------------------------------------------------------------------- (c) Flower as is
+
+
+def anchor_client_app() -> Any:
+    """The ClientApp a user would write around Flower's built-in ``FedAvg``: Flower's PyTorch
+    quickstart shape (a fresh model per message, ``to_torch_state_dict`` in, ``ArrayRecord`` of
+    the ``state_dict`` out, a ``DataLoader`` over the node's partition) doing the app's local
+    training: SGD with the configured lr / momentum / weight decay, ``local_epochs`` over shuffled
+    batches of ``batch_size``, cross-entropy. The partition comes from the app's loader, cached per
+    worker as the quickstart caches its ``FederatedDataset``, so all three runners train on the
+    same rows.
+    """
+    import torch
+    from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+    from flwr.clientapp import ClientApp
+    from torch.utils.data import DataLoader, TensorDataset
+
+    cache: dict[int, Any] = {}
+    app = ClientApp()
+
+    def partition(cfg: dict[str, Any], pid: int, num: int) -> Any:
+        if pid not in cache:
+            from fedmm.data import load_partition
+
+            data = load_partition(cfg["dataset"], cfg["partition"], pid, num, int(cfg["seed"]))
+            x = data.transform.prepare("cpu")(data.x) if hasattr(data.transform, "prepare") else data.x
+            cache[pid] = TensorDataset(x, data.y)
+        return cache[pid]
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        from fedmm.data import input_spec
+        from fedmm.models import build_model
+
+        cfg = json.loads(str(msg.content["config"]["run-config"]))
+        t = cfg["training"]
+        pid, num = int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
+        dataset = partition(cfg, pid, num)
+        model = build_model(cfg["model"]["name"], input_spec(cfg["dataset"]))
+        model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+        generator = torch.Generator().manual_seed(hash((int(cfg["seed"]), int(msg.content["config"]["server-round"]), pid)) % (2**63))
+        loader = DataLoader(dataset, batch_size=int(t["batch_size"]), shuffle=True, generator=generator)
+        optimizer = torch.optim.SGD(model.parameters(), lr=float(t["lr"]), momentum=float(t["momentum"]),
+                                    weight_decay=float(t["weight_decay"]))
+        start = time.perf_counter()
+        model.train()
+        for _ in range(int(t["local_epochs"])):
+            for x, y in loader:
+                optimizer.zero_grad()
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                optimizer.step()
+        train_time = time.perf_counter() - start  # for the bench's breakdown only
+        content = RecordDict({"arrays": ArrayRecord(model.state_dict()),
+                              "metrics": MetricRecord({"num-examples": len(dataset), "train_time": train_time})})
+        return Message(content=content, reply_to=msg)
+
+    return app
+
+
+def child_anchor(spec: dict[str, Any]) -> dict[str, Any]:
+    """Flower's built-in ``FedAvg`` (``flwr.serverapp.strategy.FedAvg``) with the ClientApp of
+    :func:`anchor_client_app`, on the same simulation engine and resources as the app.
+
+    Two benchmark-only changes keep the work identical to the other runners: the draw of
+    Flower's ``sample_nodes`` is replaced by the app's seeded selection of the same partitions
+    (the node-to-partition map is read where the simulation registers its nodes; no message is
+    added), and the central evaluation is the app's, every round.
+    """
+    import warnings
+
+    import flwr.simulation  # noqa: F401 - imported before the clock starts
+    import numpy as np
+    import torch
+    from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
+    from flwr.server.superlink.fleet.vce import vce_api
+    from flwr.serverapp import Grid, ServerApp
+    from flwr.serverapp.strategy import FedAvg
+    from flwr.serverapp.strategy import fedavg as fedavg_module
+    from flwr.simulation import run_simulation
+
+    from fedmm.cli import backend_config
+    from fedmm.data import input_spec, load_dataset, partition_indices
+    from fedmm.evaluation import evaluate, resolve_device
+    from fedmm.models import build_model
+    from server_app.runner import seed_everything
+
+    cfg = spec["cfg"]
+    seed, n, k, rounds = int(cfg["seed"]), int(cfg["num_clients"]), int(cfg["clients_per_round"]), int(cfg["num_rounds"])
+    node_to_partition: dict[int, int] = {}
+    register = vce_api._register_nodes
+
+    def capture(*args: Any, **kwargs: Any) -> Any:
+        mapping = register(*args, **kwargs)
+        node_to_partition.update(mapping)
+        return mapping
+
+    vce_api._register_nodes = capture
+    current = {"round": 0}
+
+    def same_clients(grid: Any, min_available_nodes: int, sample_size: int) -> tuple[list[int], list[int]]:
+        all_nodes = list(grid.get_node_ids())
+        while len(all_nodes) < max(min_available_nodes, sample_size):
+            time.sleep(0.1)
+            all_nodes = list(grid.get_node_ids())
+        by_partition = {p: node for node, p in node_to_partition.items()}
+        picked = np.random.default_rng([seed, current["round"]]).choice(n, size=sample_size, replace=False)
+        return [by_partition[int(p)] for p in picked], all_nodes
+
+    fedavg_module.sample_nodes = same_clients
+    seconds: dict[int, float] = {}
+    accuracy: dict[int, float] = {}
+    clock: dict[str, float] = {}
+    client_train: dict[int, float] = {}
+    server_app = ServerApp()
+
+    @server_app.main()
+    def _main(grid: Grid, context: Context) -> None:
+        seed_everything(seed)
+        train_data, test_data = load_dataset(cfg["dataset"])
+        partition_indices(train_data, cfg["partition"], n, seed)
+        model = build_model(cfg["model"]["name"], input_spec(cfg["dataset"]))
+        device = resolve_device(cfg["training"]["device"])
+
+        def central(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+            model.load_state_dict(arrays.to_torch_state_dict())
+            accuracy[server_round] = evaluate(model, test_data, device)["accuracy"]
+            if server_round == 0:
+                clock["t0"] = time.perf_counter()
+            seconds[server_round] = time.perf_counter() - clock["t0"]
+            current["round"] = server_round + 1
+            return MetricRecord({"accuracy": accuracy[server_round]})
+
+        def train_metrics(records: list[Any], weighting_key: str) -> MetricRecord:
+            total = sum(float(r["metrics"]["train_time"]) for r in records)
+            client_train[current["round"]] = total
+            return MetricRecord({"train_time_sum": total})
+
+        strategy = FedAvg(fraction_train=k / n, fraction_evaluate=0.0, min_train_nodes=k, min_available_nodes=n,
+                          train_metrics_aggr_fn=train_metrics)
+        result = strategy.start(grid=grid, initial_arrays=ArrayRecord(model.state_dict()), num_rounds=rounds,
+                                train_config=ConfigRecord({"run-config": json.dumps(cfg)}), evaluate_fn=central)
+        final = result.arrays.to_torch_state_dict()
+        torch.save(final, Path(spec["workdir"]) / "final_model.pt")
+
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        run_simulation(server_app=server_app, client_app=anchor_client_app(), num_supernodes=n,
+                       backend_config=backend_config(cfg))
+    wall = time.perf_counter() - start
+    if rounds not in seconds:
+        raise RuntimeError("the Flower FedAvg run did not finish its rounds (see the log above)")
+    pr = per_round(seconds, rounds)
+    span = range(2, rounds + 1)
+    return {
+        "wall_s": wall,
+        "seconds": seconds,
+        "accuracy": accuracy,
+        "per_round_s": pr,
+        "startup_s": wall - rounds * pr,
+        "first_round_s": seconds[1] - seconds[0],
+        "final_model": str(Path(spec["workdir"]) / "final_model.pt"),
+        "client_train_sum_per_round_s": sum(client_train.get(r, 0.0) for r in span) / len(span),
+    }
+
+
 # --------------------------------------------------------------------------- driver
 
 
@@ -410,9 +590,15 @@ def max_weight_diff(path_a: str, path_b: str) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="default",
+                        help="default: the app's default config; papers: the seed papers' shape (100 clients, 10 per "
+                             "round, Dir(0.1), 5 local epochs, batch 50, cnn); the options below override it")
     parser.add_argument("--strategies", nargs="+", default=["fedavg", "fedmr", "fedcross"],
-                        help="strategy config options (conf/strategy/*.yaml)")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds (>= 2 to measure seconds per round)")
+                        help="any strategy config option (conf/strategy/*.yaml)")
+    parser.add_argument("--runners", nargs="+", choices=["plain", "flower", "anchor"], default=["plain", "flower", "anchor"],
+                        help="plain: the sequential loop; flower: this app on Flower's simulation engine; anchor: "
+                             "Flower's built-in FedAvg with a minimal ClientApp doing the same training (run once)")
+    parser.add_argument("--rounds", type=int, default=None, help="rounds (>= 2; default: the workload's)")
     parser.add_argument("--num-clients", type=int, default=None, help="N (default: the app's, 20)")
     parser.add_argument("--clients-per-round", type=int, default=None, help="K (default: the app's, 10)")
     parser.add_argument("--local-epochs", type=int, default=None, help="default: the app's, 2")
@@ -426,63 +612,96 @@ def main() -> None:
     parser.add_argument("--override", nargs="*", default=[], help="further hydra overrides for both sides, e.g. partition.alpha=0.1")
     parser.add_argument("--workdir", default=None, help="where runs and logs go (default: a new temporary folder)")
     parser.add_argument("--verbose", action="store_true", help="show the children's output")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "e2e_overhead.json"))
+    parser.add_argument("--out", default=None,
+                        help="default: bench/results/e2e_overhead.json (default workload), e2e_overhead_<workload>.json")
     parser.add_argument("--child", nargs=2, metavar=("KIND", "DIR"), help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.child:
         kind, workdir = args.child
         spec = json.loads((Path(workdir) / "spec.json").read_text())
-        result = (child_flower if kind == "flower" else child_plain)(spec)
+        result = {"flower": child_flower, "plain": child_plain, "anchor": child_anchor}[kind](spec)
         (Path(workdir) / "result.json").write_text(json.dumps(result))
         return
 
+    workload = WORKLOADS[args.workload]
+    for key, value in workload["args"].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.override = list(workload["override"]) + args.override
     if args.rounds < 2:
         parser.error("--rounds must be >= 2: seconds per round are measured from round 1 to the last round")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="fedmm-e2e-")).resolve()
     cores = num_cores()
     print(f"e2e_overhead: {cores} cores, runs and logs in {workdir}", flush=True)
     rows: list[dict[str, Any]] = []
-    header = (f"{'strategy':<10}{'runner':<22}{'parallel':>9}{'threads':>8}{'s/round':>9}{'ratio':>7}{'startup s':>11}"
-              f"{'1st round s':>12}{'final acc':>10}{'Δacc':>9}{'max|Δw|':>10}")
+    header = (f"{'strategy':<10}{'runner':<36}{'parallel':>9}{'threads':>8}{'s/round':>9}{'vs plain':>9}{'vs Flower':>10}"
+              f"{'startup s':>11}{'1st round s':>12}{'final acc':>10}{'Δacc':>9}{'max|Δw|':>10}")
+    anchor: dict[str, Any] | None = None
+    if "anchor" in args.runners:
+        # Flower's own FedAvg: the same per-client work whatever the app's strategy, so run once.
+        cfg = compose_cfg(args, "fedavg", args.client_cpus[0], workdir / "anchor" / "run")
+        parallel = max(1, int(cores // args.client_cpus[0]))
+        anchor = run_child("anchor", {"cfg": cfg, "parallel": parallel}, workdir / "anchor", args.verbose)
+        anchor.update(strategy="fedavg", runner=f"Flower FedAvg as is, client_cpus={args.client_cpus[0]:g}",
+                      parallel=parallel, threads=max(1, int(args.client_cpus[0])), client_cpus=args.client_cpus[0],
+                      num_clients=cfg["num_clients"], clients_per_round=cfg["clients_per_round"],
+                      local_epochs=cfg["training"]["local_epochs"], model=cfg["model"]["name"])
     print(header, flush=True)
+
+    def show(strategy: str, row: dict[str, Any]) -> None:
+        def fmt(key: str, spec: str, width: int) -> str:
+            return f"{format(row[key], spec) if row.get(key) is not None else '—':>{width}}"
+
+        delta = f"{row['delta_accuracy']:+.4f}" if "delta_accuracy" in row else "ref"
+        diff = f"{row['max_weight_diff']:.1e}" if "max_weight_diff" in row else "ref"
+        print(f"{strategy:<10}{row['runner']:<36}{row['parallel']:>9}{row['threads']:>8}{row['per_round_s']:>9.3f}"
+              f"{fmt('ratio', '.2f', 9)}{fmt('vs_anchor', '.2f', 10)}{row['startup_s']:>11.2f}{row['first_round_s']:>12.2f}"
+              f"{row['final_accuracy']:>10.4f}{delta:>9}{diff:>10}", flush=True)
+
     for strategy in args.strategies:
         plain_rows: list[dict[str, Any]] = []
-        for threads in args.threads:
+        for threads in args.threads if "plain" in args.runners else []:
             cfg = compose_cfg(args, strategy, args.client_cpus[0], workdir / strategy / f"plain-t{threads}")
             res = run_child("plain", {"cfg": cfg, "threads": threads}, workdir / strategy / f"plain-t{threads}", args.verbose)
             plain_rows.append(dict(res, strategy=strategy, runner="plain loop", parallel=1, threads=threads, client_cpus=None,
                                    num_clients=cfg["num_clients"], clients_per_round=cfg["clients_per_round"],
                                    local_epochs=cfg["training"]["local_epochs"], model=cfg["model"]["name"]))
-        reference = plain_rows[0]
+        reference = plain_rows[0] if plain_rows else None
         flower_rows: list[dict[str, Any]] = []
-        for client_cpus in args.client_cpus:
+        for client_cpus in args.client_cpus if "flower" in args.runners else []:
             tag = f"flower-c{client_cpus:g}"
             cfg = compose_cfg(args, strategy, client_cpus, workdir / strategy / tag / "run")
             parallel = max(1, int(cores // client_cpus))
             res = run_child("flower", {"cfg": cfg, "parallel": parallel}, workdir / strategy / tag, args.verbose)
             threads = max(1, int(client_cpus))
-            # Compare with the plain loop of the same per-client thread count when there is one:
-            # then only FedAvg's reply order (Flower aggregates in arrival order) can differ.
+            row = dict(res, strategy=strategy, runner=f"this app, client_cpus={client_cpus:g}",
+                       parallel=parallel, threads=threads, client_cpus=client_cpus)
+            # Compare with the plain loop of the same per-client thread count when there is one.
             match = next((p for p in plain_rows if p["threads"] == threads), reference)
-            flower_rows.append(dict(res, strategy=strategy, runner=f"flower client_cpus={client_cpus:g}",
-                                    parallel=parallel, threads=threads, client_cpus=client_cpus,
-                                    compared_with_threads=match["threads"],
-                                    delta_accuracy=res["accuracy"][args.rounds] - match["accuracy"][args.rounds],
-                                    max_weight_diff=max_weight_diff(res["final_model"], match["final_model"])))
+            if match is not None:
+                row.update(compared_with_threads=match["threads"],
+                           delta_accuracy=res["accuracy"][args.rounds] - match["accuracy"][args.rounds],
+                           max_weight_diff=max_weight_diff(res["final_model"], match["final_model"]))
+            flower_rows.append(row)
         for p in plain_rows[1:]:
             p["compared_with_threads"] = reference["threads"]
             p["delta_accuracy"] = p["accuracy"][args.rounds] - reference["accuracy"][args.rounds]
             p["max_weight_diff"] = max_weight_diff(p["final_model"], reference["final_model"])
-        for row in flower_rows + plain_rows:
+        group = list(flower_rows)
+        if anchor is not None:
+            group.append(dict(anchor))
+        group += plain_rows
+        for row in group:
             row["final_accuracy"] = row["accuracy"][args.rounds]
-            row["ratio"] = row["per_round_s"] / reference["per_round_s"]
-            delta = f"{row['delta_accuracy']:+.4f}" if "delta_accuracy" in row else "ref"
-            diff = f"{row['max_weight_diff']:.1e}" if "max_weight_diff" in row else "ref"
-            print(f"{strategy:<10}{row['runner']:<22}{row['parallel']:>9}{row['threads']:>8}{row['per_round_s']:>9.3f}"
-                  f"{row['ratio']:>7.2f}{row['startup_s']:>11.2f}{row['first_round_s']:>12.2f}{row['final_accuracy']:>10.4f}"
-                  f"{delta:>9}{diff:>10}", flush=True)
-            rows.append(row)
+            row["ratio"] = row["per_round_s"] / reference["per_round_s"] if reference else None
+            row["vs_anchor"] = row["per_round_s"] / anchor["per_round_s"] if anchor else None
+            if row.get("runner", "").startswith("Flower FedAvg") and reference is not None and "delta_accuracy" not in row:
+                if strategy == "fedavg":
+                    row["delta_accuracy"] = row["final_accuracy"] - reference["accuracy"][args.rounds]
+                    row["max_weight_diff"] = max_weight_diff(row["final_model"], reference["final_model"])
+            show(strategy, row)
+            rows.append(dict(row, strategy=strategy, workload=args.workload))
         for row in flower_rows:
             b = row.get("breakdown_per_round_s")
             if b:
@@ -490,18 +709,23 @@ def main() -> None:
                       f"{b['train_send_and_receive']:.3f}s (clients' own training {b['client_train_sum']:.3f}s summed, "
                       f"/{row['parallel']} parallel), aggregate {b['aggregate_train']:.3f}s, evaluate "
                       f"{b['central_evaluate']:.3f}s; roster query (round 1) {row['roster_query_s']:.3f}s", flush=True)
-        b = reference.get("breakdown_per_round_s")
+        if anchor is not None and anchor.get("client_train_sum_per_round_s") is not None:
+            print(f"{'':<10}Flower FedAvg as is per round: clients' own training {anchor['client_train_sum_per_round_s']:.3f}s "
+                  f"summed, /{anchor['parallel']} parallel", flush=True)
+        b = reference.get("breakdown_per_round_s") if reference else None
         if b:
             print(f"{'':<10}plain loop threads={reference['threads']} per round: train {b['train_s']:.3f}s, "
                   f"aggregate {b['aggregate_s']:.3f}s, evaluate {b['evaluate_s']:.3f}s", flush=True)
-    print("ratio: seconds per round / those of the plain loop with the first --threads value; Δacc and max|Δw|: final "
+    print("vs plain: seconds per round / those of the plain loop with the first --threads value; vs Flower: / those of "
+          "Flower's built-in FedAvg with a minimal ClientApp (same clients, same work); Δacc and max|Δw|: final "
           "accuracy and largest weight difference of the final global model against the plain loop with the same "
           "per-client threads (else the first).")
-    out = Path(args.out)
+    name = "e2e_overhead.json" if args.workload == "default" else f"e2e_overhead_{args.workload}.json"
+    out = Path(args.out or Path(__file__).parent / "results" / name)
     out.parent.mkdir(parents=True, exist_ok=True)
     machine = {"platform": platform.platform(), "processor": platform.processor(), "cpus": cores,
                "python": platform.python_version()}
-    out.write_text(json.dumps({"machine": machine, "argv": sys.argv[1:], "workdir": str(workdir), "rows": rows}, indent=2))
+    out.write_text(json.dumps({"machine": machine, "argv": sys.argv[1:], "workload": args.workload, "workdir": str(workdir), "rows": rows}, indent=2))
     print(f"wrote {out}")
 
 

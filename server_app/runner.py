@@ -48,28 +48,38 @@ class CountingGrid:
     """A Grid proxy that counts the array bytes sent to and received from the nodes, and stops
     waiting for replies as soon as a stop is requested (:mod:`fedmm.interrupt`)."""
 
-    def __init__(self, grid: Grid, poll_interval: float = 0.1) -> None:
+    def __init__(self, grid: Grid, poll_interval: float = 0.01) -> None:
         self._grid = grid
         self.poll_interval = poll_interval
         self.bytes_sent = 0
         self.bytes_received = 0
 
+    def push_messages(self, messages):  # noqa: ANN001 - Grid's signature
+        """Push, counting the array bytes sent."""
+        messages = list(messages)
+        self.bytes_sent += payload_bytes(messages)
+        return self._grid.push_messages(messages)
+
+    def pull_messages(self, message_ids):  # noqa: ANN001 - Grid's signature
+        """Pull, counting the array bytes received."""
+        replies = list(self._grid.pull_messages(message_ids))
+        self.bytes_received += payload_bytes(replies)
+        return replies
+
     def send_and_receive(self, messages, *, timeout=None):  # noqa: ANN001 - Grid's signature
         """Push, then pull until every reply is in or ``timeout`` passes (as Flower's grids do)."""
         messages = list(messages)
-        self.bytes_sent += payload_bytes(messages)
         raise_if_stopped()
-        pending = set(self._grid.push_messages(messages))
+        pending = set(self.push_messages(messages))
         del messages
         end = time.monotonic() + (timeout if timeout is not None else float("inf"))
         replies: list[Message] = []
         while pending and time.monotonic() < end:
-            got = list(self._grid.pull_messages(pending))
+            got = self.pull_messages(pending)
             replies += got
             pending.difference_update(m.metadata.reply_to_message_id for m in got)
             if pending and STOP.wait(self.poll_interval):
                 raise_if_stopped()
-        self.bytes_received += payload_bytes(replies)
         return replies
 
     def __getattr__(self, name: str) -> Any:

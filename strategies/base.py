@@ -33,8 +33,13 @@ from flwr.serverapp.strategy import Result, Strategy
 from flwr.supercore import log
 
 from fedmm import protocol
+from fedmm.interrupt import STOP, raise_if_stopped
 from fedmm.protocol import ClientUpdate, ModelDict
 from strategies.selection import ClientSelector, SeededRosterSelector
+
+#: Seconds between two pulls while replies are outstanding (a reply waits at most this long
+#: in the SuperLink before the server sees it).
+POLL_INTERVAL = 0.01
 
 def non_finite_key(model: ModelDict | None) -> str | None:
     """The first key of ``model`` holding NaN or Inf, or None."""
@@ -90,7 +95,14 @@ class RoundLoopStrategy(Strategy):
         self.last_rejections: list[str] = []
         #: Federated-evaluation metrics of the current round (None when clients did not evaluate).
         self.last_evaluate_metrics: dict[str, float] | None = None
-        self._pending: list[Message] = []
+        # Metadata of the round's train messages (the grid fills in their ids when it pushes
+        # them); the messages themselves are not kept once pushed.
+        self._pending: list[Any] = []
+        self._slot_of: dict[str, int] | None = None
+        self._round_updates: list[ClientUpdate] = []
+        self._round_seen: set[int] = set()
+        self._round_rejected: list[str] = []
+        self._round_extras: dict[str, protocol.ArraySpec] = {}
 
     # ================================================================== method hooks
     def initialize(self, initial: ModelDict) -> None:
@@ -162,41 +174,56 @@ class RoundLoopStrategy(Strategy):
                     protocol.TRAIN, node_id, node_config, encoded[index], self.extra_records(server_round, slot)
                 )
             )
-        # Message ids are assigned when the grid pushes the messages: keep the objects.
-        self._pending = messages
+        # Message ids are assigned when the grid pushes the messages: keep their metadata only
+        # (the encoded models are the grid's to hold until the replies are in).
+        self._pending = [msg.metadata for msg in messages]
+        self._begin_replies(server_round)
         return messages
+
+    def _begin_replies(self, server_round: int) -> None:
+        self._slot_of = None
+        self._round_updates, self._round_seen, self._round_rejected = [], set(), []
+        self._round_extras = self.reply_extras(server_round)
+
+    def accept_reply(self, reply: Message) -> None:
+        """Decode and check one train reply of the current round as soon as it arrives; its
+        serialized arrays are released as they are decoded (only the decoded model is kept)."""
+        assert self.spec is not None
+        if self._slot_of is None:
+            self._slot_of = {metadata.message_id: slot for slot, metadata in enumerate(self._pending)}
+        slot = self._slot_of.get(reply.metadata.reply_to_message_id)
+        node = reply.metadata.src_node_id
+        if slot is None:
+            self._round_rejected.append(f"node {node}: reply to an unknown message")
+            return
+        where = self._where(node, slot)
+        self._round_seen.add(slot)
+        update, reason = protocol.decode_train_reply(reply, slot, self.spec, self._round_extras, consume=True)
+        if update is None:
+            self._round_rejected.append(f"{where}: {reason}")
+            return
+        if any(u.slot == slot for u in self._round_updates):
+            self._round_rejected.append(f"{where}: duplicate reply")
+            return
+        self._round_updates.append(update)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Decode and check every reply, hand the accepted ones to the method, aggregate."""
-        assert self.spec is not None
-        slot_of = {msg.metadata.message_id: slot for slot, msg in enumerate(self._pending)}
-        extras = self.reply_extras(server_round)
-        updates: list[ClientUpdate] = []
-        seen: set[int] = set()
-        rejected: list[str] = []
-        replies = list(replies)
         for reply in replies:
-            slot = slot_of.get(reply.metadata.reply_to_message_id)
-            node = reply.metadata.src_node_id
-            if slot is None:
-                rejected.append(f"node {node}: reply to an unknown message")
-                continue
-            where = self._where(node, slot)
-            seen.add(slot)
-            update, reason = protocol.decode_train_reply(reply, slot, self.spec, extras, consume=True)
-            if update is None:
-                rejected.append(f"{where}: {reason}")
-                continue
-            if any(u.slot == slot for u in updates):
-                rejected.append(f"{where}: duplicate reply")
-                continue
-            updates.append(update)
-        for slot, msg in enumerate(self._pending):
+            self.accept_reply(reply)
+        return self.finish_train(server_round)
+
+    def finish_train(self, server_round: int) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """After the replies of the round went through :meth:`accept_reply`: log what was
+        rejected or missing, hand the accepted updates to the method, aggregate."""
+        updates, seen, rejected = self._round_updates, self._round_seen, self._round_rejected
+        self._round_updates, self._round_seen, self._round_rejected = [], set(), []
+        for slot, metadata in enumerate(self._pending):
             if slot not in seen:
-                rejected.append(f"{self._where(msg.metadata.dst_node_id, slot)}: no reply within the round timeout")
-        self._pending = []
+                rejected.append(f"{self._where(metadata.dst_node_id, slot)}: no reply within the round timeout")
+        self._pending, self._slot_of = [], None
         updates.sort(key=lambda u: u.slot)
         self.last_replies = len(updates)
         self.last_rejections = rejected
@@ -254,19 +281,54 @@ class RoundLoopStrategy(Strategy):
         log(INFO, "\t└──> federated evaluation fraction: %.2f", self.fraction_evaluate)
 
     # ================================================================== the loop
-    def send(self, grid: Grid, messages: list[Message], timeout: float) -> list[Message]:
-        """One phase: push ``messages``, wait for the replies (nothing is sent for no message)."""
+    def send(
+        self,
+        grid: Grid,
+        messages: list[Message],
+        timeout: float,
+        on_reply: Callable[[Message], None] | None = None,
+    ) -> list[Message]:
+        """One phase: push ``messages`` and collect the replies as they arrive (nothing is sent
+        for no message); stop waiting after ``timeout`` seconds or when a stop is requested.
+
+        ``messages`` is emptied once pushed: from then on only the grid holds them (until
+        their replies are in). With ``on_reply`` every reply is handed to it as soon as it is
+        pulled and not kept (an empty list is returned); without, the replies are returned.
+        """
         if not messages:
             return []
-        return list(grid.send_and_receive(messages, timeout=timeout))
+        raise_if_stopped()
+        batch = list(messages)
+        messages.clear()
+        pending = set(grid.push_messages(batch))
+        del batch
+        deadline = time.monotonic() + timeout
+        replies: list[Message] = []
+        while pending:
+            pulled = list(grid.pull_messages(pending))
+            while pulled:
+                reply = pulled.pop(0)
+                pending.discard(reply.metadata.reply_to_message_id)
+                if on_reply is None:
+                    replies.append(reply)
+                else:
+                    on_reply(reply)
+                del reply
+            if not pending or time.monotonic() >= deadline:
+                break
+            if STOP.wait(POLL_INTERVAL):
+                raise_if_stopped()
+        return replies
 
     def run_round(
         self, server_round: int, grid: Grid, arrays: ArrayRecord, config: ConfigRecord, timeout: float
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """The training part of one round. One phase by default; a method with several phases
-        overrides this and calls :meth:`send` once per phase."""
+        """The training part of one round: every reply is decoded as it arrives
+        (:meth:`accept_reply`), then the method aggregates (:meth:`finish_train`). One phase by
+        default; a method with several phases overrides this and calls :meth:`send` per phase."""
         messages = list(self.configure_train(server_round, arrays, config, grid))
-        return self.aggregate_train(server_round, self.send(grid, messages, timeout))
+        self.send(grid, messages, timeout, on_reply=self.accept_reply)
+        return self.finish_train(server_round)
 
     def start(  # noqa: PLR0913 - Flower's signature plus resume
         self,

@@ -28,6 +28,18 @@ class FakeGrid:
     def get_node_ids(self) -> list[int]:
         return list(self.keys)
 
+    def push_messages(self, messages: Iterable[Message]) -> list[str]:
+        """Deliver now; the replies wait for :meth:`pull_messages` (in shuffled order)."""
+        messages = list(messages)
+        self._waiting = getattr(self, "_waiting", []) + self.send_and_receive(messages)
+        return [m.metadata.message_id for m in messages]
+
+    def pull_messages(self, message_ids: Iterable[str]) -> list[Message]:
+        ids = set(message_ids)
+        out = [r for r in self._waiting if r.metadata.reply_to_message_id in ids]
+        self._waiting = [r for r in self._waiting if r.metadata.reply_to_message_id not in ids]
+        return out
+
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
         replies = []
         for msg in messages:

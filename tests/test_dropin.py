@@ -23,13 +23,13 @@ class SpyGrid:
     def __init__(self, grid: Grid) -> None:
         self.grid, self.sent = grid, {}
 
-    def send_and_receive(self, messages, *, timeout=None):  # noqa: ANN001
+    def push_messages(self, messages):  # noqa: ANN001
         messages = list(messages)
         for m in messages:
             if m.metadata.message_type == "train":
                 rnd = int(m.content["config"]["server-round"])
                 self.sent.setdefault(rnd, []).append(m.content["arrays"].to_torch_state_dict())
-        return self.grid.send_and_receive(messages, timeout=timeout)
+        return self.grid.push_messages(messages)
 
     def __getattr__(self, name):  # noqa: ANN001
         return getattr(self.grid, name)
