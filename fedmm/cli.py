@@ -5,7 +5,8 @@
     fedmm resume=outputs/2026-11-23/10-00-00_fedmr+ce_mnist5k_dirichlet_s0 [num_rounds=50]
 
 Each job composes ``conf/`` with its overrides, validates it once, and runs the ServerApp and
-ClientApp of this app on the Ray backend with ``simulation.num_supernodes`` virtual SuperNodes;
+ClientApp of this app on the Ray backend with ``simulation.num_supernodes`` virtual SuperNodes
+(on a local Ray, or on the running Ray cluster that ``simulation.ray_address`` names);
 results go to the hydra job directory (or, with ``resume``, to the run being continued).
 
 This module is the composition root: the only place that imports both apps. Nothing imports it.
@@ -13,6 +14,7 @@ This module is the composition root: the only place that imports both apps. Noth
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from pathlib import Path
@@ -30,12 +32,71 @@ from fedmm.errors import ConfigError  # noqa: E402
 
 
 def backend_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Ray backend settings from the ``simulation`` group."""
+    """Ray backend settings from the ``simulation`` group: what each ClientApp reserves, and the
+    ``ray.init`` arguments (``simulation.ray_init_args``, and ``address`` when
+    ``simulation.ray_address`` names a running Ray cluster to attach to)."""
     sim = cfg["simulation"]
+    init_args: dict[str, Any] = {"logging_level": "ERROR", "log_to_driver": True}
+    init_args.update(copy.deepcopy(dict(sim.get("ray_init_args") or {})))
+    if sim.get("ray_address") is not None:
+        init_args["address"] = sim["ray_address"]
     return {
         "client_resources": {"num_cpus": sim["client_cpus"], "num_gpus": sim["client_gpus"]},
-        "init_args": {"logging_level": "ERROR", "log_to_driver": True},
+        "init_args": init_args,
     }
+
+
+def attach_ray(init_args: dict[str, Any]) -> bool:
+    """Connect this process to the running Ray cluster at ``init_args["address"]`` (False, doing
+    nothing, when there is no address: Flower then starts a local Ray itself).
+
+    Flower's Ray backend calls ``ray.init`` only when Ray is not initialised yet, and passes its
+    own ``runtime_env``; connecting here first lets ``simulation.ray_init_args`` carry a
+    ``runtime_env`` (e.g. a ``working_dir`` for nodes without the app), fails at once with the
+    key's name when no head answers (``ray.init`` would retry for minutes), and keeps fedmm's
+    SIGTERM handler (``ray.init`` replaces it). Flower ends the job with ``ray.shutdown()``, which
+    for an attached driver only disconnects: the cluster stays up for the next job.
+    """
+    address = init_args.get("address")
+    if address is None:
+        return False
+    import signal
+    import socket
+    import threading
+
+    import ray
+
+    if address != "auto":
+        host, _, port = str(address).rpartition(":")
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=10).close()
+        except OSError as err:
+            raise JobFailed(
+                f"simulation.ray_address={address}: no Ray head answers there ({err}); start one with "
+                f"`ray start --head --port={port}` or correct the address"
+            ) from None
+    if ray.is_initialized():  # left connected by the caller: every job attaches afresh
+        ray.shutdown()
+    main_thread = threading.current_thread() is threading.main_thread()
+    sigterm = signal.getsignal(signal.SIGTERM) if main_thread else None
+    try:
+        ray.init(**copy.deepcopy(init_args))
+    except Exception as err:
+        raise JobFailed(
+            f"simulation.ray_address={address}: could not attach to the Ray cluster there "
+            f"(run fedmm on a node of the cluster, with the cluster's Ray and Python versions): {type(err).__name__}: {err}"
+        ) from err
+    finally:
+        if main_thread and sigterm is not None:
+            signal.signal(signal.SIGTERM, sigterm)
+    resources = ray.cluster_resources()
+    nodes = sum(1 for node in ray.nodes() if node.get("Alive"))
+    print(
+        f"fedmm: attached to the Ray cluster at {address}: {nodes} node(s), {resources.get('CPU', 0):g} CPU, "
+        f"{resources.get('GPU', 0):g} GPU",
+        flush=True,
+    )
+    return True
 
 
 def run_job(cfg: dict[str, Any]) -> Path:
@@ -62,6 +123,8 @@ def run_job(cfg: dict[str, Any]) -> Path:
             out["error"] = err
             raise
 
+    backend = backend_config(cfg)
+    attached = attach_ray(backend["init_args"])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         try:
@@ -69,7 +132,7 @@ def run_job(cfg: dict[str, Any]) -> Path:
                 server_app=server_app,
                 client_app=client_app,
                 num_supernodes=int(cfg["simulation"]["num_supernodes"]),
-                backend_config=backend_config(cfg),
+                backend_config=backend,
             )
         except Exception as err:  # the ServerApp's own error, or the simulation runtime's
             out.setdefault("error", err)
@@ -80,6 +143,8 @@ def run_job(cfg: dict[str, Any]) -> Path:
         finally:
             if "dir" not in out and "error" not in out:
                 abort("the simulation runtime stopped before the experiment finished")
+            if attached:
+                _disconnect_ray()
     if "error" in out:
         err = out["error"]
         if isinstance(err, KeyboardInterrupt):
@@ -88,6 +153,15 @@ def run_job(cfg: dict[str, Any]) -> Path:
     if "dir" not in out:
         raise JobFailed("the simulation ended before the experiment finished (the simulation runtime failed; see the log above)")
     return out["dir"]
+
+
+def _disconnect_ray() -> None:
+    """Disconnect this driver from an attached cluster if Flower has not (its backend's
+    ``terminate`` does, unless the backend failed to start); the cluster keeps running."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
 
 
 class JobFailed(RuntimeError):

@@ -18,6 +18,7 @@ registers their schemas. Unknown keys at any depth are errors naming the nearest
 
 from __future__ import annotations
 
+import copy
 import difflib
 import json
 import math
@@ -271,10 +272,68 @@ class _Gpus(Field):
         return _gpus_ok(value)
 
 
+class _RayAddress(Field):
+    allowed = ("null (fedmm starts a local Ray), auto, or the host:port of a running Ray head "
+               "(its GCS, `ray start --head --port=6379`), e.g. 127.0.0.1:6379")
+
+    def ok(self, value: Any) -> bool:
+        if value is None or value == "auto":
+            return True
+        if not isinstance(value, str) or "://" in value or any(c.isspace() for c in value):
+            return False  # ray:// (Ray Client) is not supported: run fedmm on a node of the cluster
+        host, sep, port = value.rpartition(":")
+        return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
+
+
+#: ray.init arguments that a driver attaching to a running cluster may not pass (Ray refuses
+#: them: a cluster's resources are set by `ray start` on each node).
+RAY_ATTACH_REFUSED = ("num_cpus", "num_gpus", "resources", "labels", "object_store_memory", "_system_config",
+                      "_enable_object_reconstruction", "_node_name")
+
+
+def _ray_init_parameters() -> set[str] | None:
+    """The keyword arguments ``ray.init`` accepts (None when Ray is not installed)."""
+    try:
+        import inspect
+
+        import ray
+    except ImportError:
+        return None
+    params = set(inspect.signature(ray.init).parameters) - {"kwargs"}
+    return params | {"_enable_object_reconstruction", "_plasma_directory", "_object_spilling_directory",
+                     "_node_ip_address", "_driver_object_store_memory", "_memory", "_redis_username",
+                     "_redis_password", "_temp_dir", "_metrics_export_port", "_system_config",
+                     "_tracing_startup_hook", "_node_name", "_skip_env_hook"}
+
+
+def _check_ray_init_args(sim: Mapping[str, Any]) -> None:
+    """``simulation.ray_init_args``: ray.init keyword arguments that fit ``simulation.ray_address``."""
+    args, address = sim["ray_init_args"], sim["ray_address"]
+    for name in args:
+        key = f"simulation.ray_init_args.{name}"
+        if name == "address":
+            raise ConfigError(key, args[name], "no value here: set simulation.ray_address instead")
+        if address is None and name == "runtime_env":
+            raise ConfigError(key, args[name], "no value without simulation.ray_address (Flower's own ray.init "
+                              "sets runtime_env itself; a local Ray sees this machine's files anyway)")
+        if address is not None and name in RAY_ATTACH_REFUSED:
+            raise ConfigError(key, args[name], "no value when attaching to a cluster (simulation.ray_address is set): "
+                              "a cluster's resources come from `ray start --num-cpus/--num-gpus/--resources` on each node")
+    params = _ray_init_parameters() if args else None
+    if params is not None:
+        for name in args:
+            if name not in params:
+                near = difflib.get_close_matches(name, sorted(params), n=1)
+                hint = f"; did you mean simulation.ray_init_args.{near[0]}?" if near else ""
+                raise ConfigError(f"simulation.ray_init_args.{name}", args[name], f"a keyword argument of ray.init{hint}")
+
+
 _SIMULATION_SCHEMA: dict[str, Field] = {
     "num_supernodes": Int(min=1),
     "client_cpus": Number(gt=0),
     "client_gpus": _Gpus(),
+    "ray_address": _RayAddress(),
+    "ray_init_args": MapOf(AnyValue(), "a mapping of ray.init keyword arguments to values ({} for none)"),
 }
 
 
@@ -377,6 +436,7 @@ def validate(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
         raise ConfigError("clients_per_round", k, f"an integer from 1 to num_clients={c['num_clients']}")
     check_keys("training.", c["training"], _TRAINING_SCHEMA)
     check_keys("simulation.", c["simulation"], _SIMULATION_SCHEMA)
+    _check_ray_init_args(c["simulation"])
     for group in ("dataset", "partition", "model", "strategy", "objective"):
         values = c[group]
         name = values.get("name")
@@ -409,6 +469,9 @@ def resume_config(run_dir: str | os.PathLike, changes: Mapping[str, Any] | Seque
     if not config_file.is_file():
         raise ConfigError("resume", str(run_dir), "the directory of a fedmm run (it holds config.yaml and checkpoint.pt)")
     cfg = yaml.safe_load(config_file.read_text(encoding="utf-8"))
+    if isinstance(cfg, dict) and isinstance(cfg.get("simulation"), dict):
+        for key, default in _SIMULATION_ADDED.items():
+            cfg["simulation"].setdefault(key, copy.deepcopy(default))
     items = list(changes.items()) if isinstance(changes, Mapping) else [_split_override(o) for o in changes]
     for key, value in items:
         if key.split(".", 1)[0] not in RESUME_CHANGEABLE:
@@ -421,6 +484,11 @@ def resume_config(run_dir: str | os.PathLike, changes: Mapping[str, Any] | Seque
     cfg["resume"] = str(path)
     cfg["output_dir"] = str(path)
     return validate(cfg)
+
+
+#: Keys added to ``simulation`` after runs were made: a run written before has none of them,
+#: and resumes with these values unless the resume command sets them.
+_SIMULATION_ADDED = {"ray_address": None, "ray_init_args": {}}
 
 
 def _split_override(item: str) -> tuple[str, Any]:

@@ -51,7 +51,10 @@ def partition_label(cfg: dict[str, Any]) -> str:
 
 #: Config keys that never tell runs apart: the seed is what the table averages over.
 IGNORED_KEYS = ("seed", "output_dir", "resume", "results_root", "checkpoint_every", "round_timeout",
-                "max_failed_rounds", "simulation.num_supernodes", "simulation.client_cpus", "simulation.client_gpus")
+                "max_failed_rounds", "simulation.num_supernodes", "simulation.client_cpus", "simulation.client_gpus",
+                "simulation.ray_address")
+#: ... and the keys under these prefixes (where the ClientApps ran: a local Ray or a cluster).
+IGNORED_PREFIXES = ("simulation.ray_init_args.",)
 
 
 def load_runs(sweep: Path, refused: list[tuple[Path, str]] | None = None) -> list[dict[str, Any]]:
@@ -92,7 +95,8 @@ def differing_keys(runs: list[dict[str, Any]]) -> list[str]:
     """Config keys whose values differ between runs (IGNORED_KEYS excepted)."""
     flats = [flat(r["cfg"]) for r in runs]
     keys = sorted(set().union(*flats))
-    return [k for k in keys if k not in IGNORED_KEYS and len({repr(f.get(k)) for f in flats}) > 1]
+    return [k for k in keys if k not in IGNORED_KEYS and not k.startswith(IGNORED_PREFIXES)
+            and len({repr(f.get(k)) for f in flats}) > 1]
 
 
 #: Keys already shown by the partition and method columns.
