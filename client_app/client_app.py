@@ -15,6 +15,7 @@ in ``Context.state`` across rounds and any extra reply records.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -82,10 +83,24 @@ def _model(name: str, spec: InputSpec) -> LayeredModel:
 
 
 def model_from_message(cfg: Mapping[str, Any], msg: Message) -> LayeredModel:
-    """The configured architecture with the weights of the received ``arrays``."""
+    """The configured architecture with the weights of the received ``arrays``.
+
+    The arrays are read as views of the message's bytes and copied once, into the model
+    (``load_state_dict`` copies; nothing writes into the views).
+    """
     model = _model(cfg["model"]["name"], input_spec(cfg["dataset"]))
-    model.load_state_dict(msg.content[protocol.ARRAYS].to_torch_state_dict(), strict=True)
+    arrays = protocol.record_to_model(msg.content[protocol.ARRAYS], copy=False)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        state = {key: torch.from_numpy(value) for key, value in arrays.items()}
+    model.load_state_dict(state, strict=True)
     return model
+
+
+def model_record(model: torch.nn.Module) -> ArrayRecord:
+    """The model's ``state_dict`` as the reply's ArrayRecord (the bytes of ``ArrayRecord(state_dict)``,
+    with one copy of each tensor instead of two)."""
+    return protocol.model_to_record({key: value.detach().cpu().numpy() for key, value in model.state_dict().items()})
 
 
 def reserved_cpus(cfg: Mapping[str, Any]) -> int:
@@ -94,6 +109,13 @@ def reserved_cpus(cfg: Mapping[str, Any]) -> int:
     Ray knows what it assigned to the actor (``flwr run``'s ``client-resources-num-cpus`` or
     fedmm's ``simulation.client_cpus``); outside Ray the config value is used.
     """
+    cpus = _ray_assigned_cpus()
+    return cpus if cpus else max(1, int(cfg["simulation"]["client_cpus"]))
+
+
+@functools.lru_cache(maxsize=1)
+def _ray_assigned_cpus() -> int | None:
+    # What Ray reserved for this worker's actor: fixed for the worker's life, asked once.
     try:
         import ray
 
@@ -103,14 +125,16 @@ def reserved_cpus(cfg: Mapping[str, Any]) -> int:
                 return max(1, int(cpus))
     except Exception:  # not running in a Ray worker
         pass
-    return max(1, int(cfg["simulation"]["client_cpus"]))
+    return None
 
 
 def _set_threads(cfg: Mapping[str, Any], context: Context) -> None:
     # In simulation several ClientApps share the machine: use only the reserved cores.
     # A deployed SuperNode owns its machine and keeps torch's default.
     if "partition-id" in context.node_config:
-        torch.set_num_threads(reserved_cpus(cfg))
+        threads = reserved_cpus(cfg)
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
 
 
 def seed_for(cfg: Mapping[str, Any], server_round: int, context: Context) -> int:
@@ -134,7 +158,7 @@ def train(msg: Message, context: Context) -> Message:
     metrics = train_model(
         model, data, update, cfg["training"], server_round, generator, resolve_device(cfg["training"]["device"])
     )
-    records = {protocol.ARRAYS: ArrayRecord(model.state_dict()), protocol.METRICS: MetricRecord(metrics)}
+    records = {protocol.ARRAYS: model_record(model), protocol.METRICS: MetricRecord(metrics)}
     records.update(update.end(model))
     return protocol.reply_message(msg, records)
 

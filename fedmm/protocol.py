@@ -24,6 +24,7 @@ conventions, so the strategies work with any ClientApp that follows Flower's qui
 
 from __future__ import annotations
 
+import io
 import json
 import math
 from collections.abc import Iterable, Mapping
@@ -78,20 +79,69 @@ ModelDict = dict[str, np.ndarray]
 ArraySpec = dict[str, tuple[tuple[int, ...], np.dtype]]
 
 
+#: ``Array.stype`` of a numpy array serialized in the ``.npy`` format (Flower's ``SType.NUMPY``).
+NUMPY_STYPE = "numpy.ndarray"
+
+
+def encode_array(value: np.ndarray) -> Array:
+    """One array as Flower's ``Array``: the same ``.npy`` bytes as ``Array(ndarray)``, built
+    with one copy of the data instead of two (no intermediate buffer)."""
+    arr = np.require(value, requirements="C")
+    header_fields = np.lib.format.header_data_from_array_1_0(arr)
+    header = io.BytesIO()
+    try:
+        np.lib.format.write_array_header_1_0(header, header_fields)
+    except ValueError:  # a header too long for format 1.0, as np.save falls back
+        header = io.BytesIO()
+        np.lib.format.write_array_header_2_0(header, header_fields)
+    data = b"".join((header.getvalue(), memoryview(arr).cast("B") if arr.size else b""))
+    return Array(dtype=str(arr.dtype), shape=tuple(arr.shape), stype=NUMPY_STYPE, data=data)
+
+
+def decode_array(array: Array, copy: bool = False) -> np.ndarray:
+    """One ``Array`` as a numpy array.
+
+    ``copy=False``: a read-only view of the record's bytes (no copy; the bytes live as long as
+    the view). ``copy=True`` (or an encoding other than ``.npy`` format 1.0/2.0): a new,
+    writable array. Raises ValueError when the bytes do not hold what the header says.
+    """
+    data = array.data
+    if copy or array.stype != NUMPY_STYPE or not isinstance(data, bytes):
+        return array.numpy()
+    stream = io.BytesIO(data)
+    version = np.lib.format.read_magic(stream)
+    if version == (1, 0):
+        shape, fortran_order, dtype = np.lib.format.read_array_header_1_0(stream)
+    elif version == (2, 0):
+        shape, fortran_order, dtype = np.lib.format.read_array_header_2_0(stream)
+    else:
+        return array.numpy()
+    if dtype.hasobject:
+        raise ValueError("object arrays are not accepted")
+    count = int(np.prod(shape, dtype=np.int64))
+    offset = stream.tell()
+    if len(data) - offset != count * dtype.itemsize:
+        raise ValueError(f"{len(data) - offset} data bytes for an array of shape {shape} and dtype {dtype}")
+    flat = np.frombuffer(data, dtype=dtype, count=count, offset=offset)
+    return flat.reshape(shape, order="F" if fortran_order else "C")
+
+
 def model_to_record(model: Mapping[str, np.ndarray]) -> ArrayRecord:
     """Encode a dict of numpy arrays as an ``ArrayRecord`` (order preserved)."""
-    return ArrayRecord({key: Array(np.require(value, requirements="C")) for key, value in model.items()})
+    return ArrayRecord({key: encode_array(value) for key, value in model.items()})
 
 
-def record_to_model(record: ArrayRecord, consume: bool = False) -> ModelDict:
+def record_to_model(record: ArrayRecord, consume: bool = False, copy: bool = True) -> ModelDict:
     """Decode an ``ArrayRecord`` into a dict of numpy arrays (order preserved).
 
-    With ``consume=True`` each array is popped from the record as it is decoded, so the
-    serialized bytes are freed while the numpy arrays are built.
+    ``copy=False`` returns read-only views of the record's bytes (see :func:`decode_array`):
+    no copy, and with ``consume=True`` (each array popped from the record as it is decoded)
+    the bytes then belong to the returned arrays alone. ``copy=True``: new writable arrays,
+    and with ``consume=True`` each array's bytes are freed as soon as it is decoded.
     """
     if consume:
-        return {key: record.pop(key).numpy() for key in list(record.keys())}
-    return {key: array.numpy() for key, array in record.items()}
+        return {key: decode_array(record.pop(key), copy) for key in list(record.keys())}
+    return {key: decode_array(array, copy) for key, array in record.items()}
 
 
 def array_spec(model: Mapping[str, np.ndarray]) -> ArraySpec:
@@ -178,6 +228,7 @@ def decode_train_reply(
     spec: ArraySpec,
     extra_specs: Mapping[str, ArraySpec] | None = None,
     consume: bool = True,
+    copy: bool = True,
 ) -> tuple[ClientUpdate | None, str]:
     """Decode and validate a train reply.
 
@@ -189,7 +240,9 @@ def decode_train_reply(
     -------
     (update, "") when the reply is usable, (None, reason) otherwise. A reply is rejected when
     it carries an error, misses a record, or any array's keys, shapes or dtypes differ from
-    the spec, or a floating-point array holds NaN or Inf.
+    the spec, or a floating-point array holds NaN or Inf. ``consume`` and ``copy``: as
+    :func:`record_to_model` (``copy=False``: the update's arrays are read-only views of the
+    reply's bytes).
     """
     node = reply.metadata.src_node_id
     if reply.has_error():
@@ -206,8 +259,8 @@ def decode_train_reply(
     if missing:
         return None, f"missing record(s) {missing}"
     try:
-        model = record_to_model(model_record, consume=consume)
-        extras = {name: record_to_model(records[name], consume=consume) for name in extra_specs}
+        model = record_to_model(model_record, consume=consume, copy=copy)
+        extras = {name: record_to_model(records[name], consume=consume, copy=copy) for name in extra_specs}
     except Exception as err:  # malformed bytes from a client must not stop the server
         return None, f"arrays could not be decoded: {err}"
     reason = check_arrays(model, spec)

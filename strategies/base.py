@@ -72,6 +72,11 @@ class RoundLoopStrategy(Strategy):
         Which nodes take part; default: :class:`SeededRosterSelector` with ``seed``.
     """
 
+    #: True when the method writes into the arrays of the updates it gets (e.g. FedCross fuses
+    #: in place): replies are then decoded into new writable arrays. False: read-only views of
+    #: the reply's bytes, no copy.
+    writable_updates = False
+
     def __init__(
         self,
         clients_per_round: int,
@@ -198,7 +203,9 @@ class RoundLoopStrategy(Strategy):
             return
         where = self._where(node, slot)
         self._round_seen.add(slot)
-        update, reason = protocol.decode_train_reply(reply, slot, self.spec, self._round_extras, consume=True)
+        update, reason = protocol.decode_train_reply(
+            reply, slot, self.spec, self._round_extras, consume=True, copy=self.writable_updates
+        )
         if update is None:
             self._round_rejected.append(f"{where}: {reason}")
             return

@@ -70,6 +70,8 @@ class FedCross(MultiModelStrategy):
         (after the propeller rounds); 0 disables it.
     """
 
+    writable_updates = True  # cross-aggregation writes the fused values into the trained models' arrays
+
     def __init__(
         self,
         num_models: int,
