@@ -106,8 +106,9 @@ class ServerTimers:
     """Wall time of the server-side steps of ``run_experiment``, by round.
 
     Filled by :func:`instrument_server`, which wraps (in the measuring process only, never in
-    the files) the strategy's ``configure_train`` / ``aggregate_train``, the roster query, the
-    grid's ``send_and_receive`` and the central evaluation. A round's steps are attributed to
+    the files) the strategy's ``configure_train``, its ``send`` (push, then wait for the replies,
+    each decoded as it arrives), ``finish_train`` (aggregation), the roster query and the central
+    evaluation; the clients' ``train_time`` metrics are summed as their replies arrive. A round's steps are attributed to
     the round of the last ``configure_train`` (round 0: the initial evaluation).
     """
 
@@ -149,11 +150,13 @@ def instrument_server() -> ServerTimers:
 
     from flwr.app import MessageType
 
-    from server_app import runner as experiment
-    from strategies.base import RoundLoopStrategy
-    from strategies.selection import SeededRosterSelector
-
     timers = ServerTimers()
+    try:
+        from server_app import runner as experiment
+        from strategies.base import RoundLoopStrategy
+        from strategies.selection import SeededRosterSelector
+    except ImportError:  # an older layout of the app (measured for comparison): no breakdown
+        return timers
 
     def timed(step: str, fn: Any, sets_round: bool = False) -> Any:
         @functools.wraps(fn)
@@ -169,28 +172,30 @@ def instrument_server() -> ServerTimers:
         return wrapper
 
     cls = RoundLoopStrategy
+    if not hasattr(cls, "finish_train"):  # an older round loop (measured for comparison): no breakdown
+        return timers
     cls.configure_train = timed("configure_train", cls.configure_train, sets_round=True)
-    cls.aggregate_train = timed("aggregate_train", cls.aggregate_train)
+    cls.finish_train = timed("aggregate_train", cls.finish_train)
     SeededRosterSelector._query_keys = timed("roster_query", SeededRosterSelector._query_keys)
     experiment.evaluate_model = timed("central_evaluate", experiment.evaluate_model)
-    send_and_receive = experiment.CountingGrid.send_and_receive
+    send = cls.send
+    accept_reply = cls.accept_reply
 
-    def timed_send_and_receive(self: Any, messages: Any, *, timeout: float | None = None) -> Any:
-        messages = list(messages)
-        start = time.perf_counter()
-        replies = send_and_receive(self, messages, timeout=timeout)
+    def timed_send(self: Any, grid: Any, messages: Any, timeout: float, on_reply: Any = None) -> Any:
         is_train = any(m.metadata.message_type == MessageType.TRAIN for m in messages)
+        start = time.perf_counter()
+        replies = send(self, grid, messages, timeout, on_reply)
         timers.add("train_send_and_receive" if is_train else "other_send_and_receive", time.perf_counter() - start)
-        if is_train:
-            total = 0.0
-            for reply in replies:
-                if reply.has_content():
-                    for record in reply.content.metric_records.values():
-                        total += float(record.get("train_time", 0.0))
-            timers.client_train_s[timers.round] = timers.client_train_s.get(timers.round, 0.0) + total
         return replies
 
-    experiment.CountingGrid.send_and_receive = timed_send_and_receive
+    def counted_accept_reply(self: Any, reply: Any) -> Any:
+        if reply.has_content():
+            total = sum(float(record.get("train_time", 0.0)) for record in reply.content.metric_records.values())
+            timers.client_train_s[timers.round] = timers.client_train_s.get(timers.round, 0.0) + total
+        return accept_reply(self, reply)
+
+    cls.send = timed_send
+    cls.accept_reply = counted_accept_reply
     return timers
 
 
@@ -653,8 +658,9 @@ def main() -> None:
         def fmt(key: str, spec: str, width: int) -> str:
             return f"{format(row[key], spec) if row.get(key) is not None else '—':>{width}}"
 
-        delta = f"{row['delta_accuracy']:+.4f}" if "delta_accuracy" in row else "ref"
-        diff = f"{row['max_weight_diff']:.1e}" if "max_weight_diff" in row else "ref"
+        other = row["runner"].startswith("Flower FedAvg") and strategy != "fedavg"  # another method: nothing to compare
+        delta = f"{row['delta_accuracy']:+.4f}" if "delta_accuracy" in row else "—" if other else "ref"
+        diff = f"{row['max_weight_diff']:.1e}" if "max_weight_diff" in row else "—" if other else "ref"
         print(f"{strategy:<10}{row['runner']:<36}{row['parallel']:>9}{row['threads']:>8}{row['per_round_s']:>9.3f}"
               f"{fmt('ratio', '.2f', 9)}{fmt('vs_anchor', '.2f', 10)}{row['startup_s']:>11.2f}{row['first_round_s']:>12.2f}"
               f"{row['final_accuracy']:>10.4f}{delta:>9}{diff:>10}", flush=True)

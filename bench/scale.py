@@ -139,11 +139,97 @@ def label(pid: int) -> str:
     return name[:60]
 
 
+class Holdings:
+    """Who holds model bytes in the server process, read by the sampler thread.
+
+    ``app``: the distinct array bytes the strategy holds (its models, the global model, the
+    decoded updates of the round in progress); ``store``: the ArrayRecord bytes of the
+    messages in Flower's in-memory SuperLink state (sent messages not yet answered, replies
+    not yet pulled). Attached by :func:`watch_holdings` (benchmark instrumentation only).
+    """
+
+    def __init__(self) -> None:
+        self.strategy: Any = None
+        self.linkstates: list[Any] = []
+
+    @staticmethod
+    def _arrays_bytes(models: list[Any], seen: set[int]) -> int:
+        total = 0
+        for model in models:
+            for value in list(getattr(model, "values", lambda: [])()):
+                try:
+                    address = value.__array_interface__["data"][0]
+                except (AttributeError, KeyError, TypeError):
+                    continue
+                if address not in seen:
+                    seen.add(address)
+                    total += int(value.nbytes)
+        return total
+
+    def app_bytes(self) -> int:
+        strategy = self.strategy
+        if strategy is None:
+            return 0
+        try:
+            models = list(strategy.models or []) + [strategy.global_model or {}]
+            models += [u.model for u in list(strategy._round_updates)]
+            return self._arrays_bytes(models, set())
+        except Exception:  # noqa: BLE001 - a container changed while it was read (or an older strategy): skip
+            return 0
+
+    def store_bytes(self) -> int:
+        total = 0
+        for linkstate in list(self.linkstates):
+            for name in ("message_ins_store", "message_res_store"):
+                try:
+                    messages = list(getattr(linkstate, name, {}).values())
+                except RuntimeError:
+                    continue
+                for msg in messages:
+                    try:
+                        if msg.has_content():
+                            total += sum(r.count_bytes() for r in msg.content.array_records.values())
+                    except Exception:  # noqa: BLE001 - a message being mutated: skip it
+                        continue
+        return total
+
+
+def watch_holdings(holdings: Holdings) -> None:
+    """Let ``holdings`` see the strategy and Flower's link state."""
+    from flwr.server.superlink.linkstate import in_memory_linkstate
+
+    try:
+        from server_app import runner
+    except ImportError:  # an older layout of the app (measured for comparison): Flower's store only
+        runner = None
+    if runner is None or not hasattr(runner, "build_strategy"):
+        runner = None
+    build = runner.build_strategy if runner is not None else None
+
+    def build_and_watch(cfg: Any) -> Any:
+        holdings.strategy = build(cfg)
+        return holdings.strategy
+
+    if runner is not None:
+        runner.build_strategy = build_and_watch
+    init = in_memory_linkstate.InMemoryLinkState.__init__
+
+    def init_and_watch(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        holdings.linkstates.append(self)
+
+    in_memory_linkstate.InMemoryLinkState.__init__ = init_and_watch
+
+
 class TreeSampler(threading.Thread):
     """Sample the memory of this process and its descendants until :meth:`stop`."""
 
-    def __init__(self, interval: float, metrics_file: Path) -> None:
+    def __init__(self, interval: float, metrics_file: Path, holdings: Holdings | None = None) -> None:
         super().__init__(daemon=True)
+        self.holdings = holdings
+        self.peak_app = self.peak_store = 0
+        self.at_server_peak: dict[str, int] = {}
+        self.server_rss_r0_parts: dict[str, int] | None = None
         self.interval = interval
         self.metrics_file = metrics_file
         self.root = os.getpid()
@@ -193,9 +279,18 @@ class TreeSampler(threading.Thread):
             try:
                 if self.metrics_file.stat().st_size > 0:  # round 0 is evaluated
                     self.server_rss_r0 = server
+                    self.server_rss_r0_parts = {"anon": status_kib("RssAnon") or 0, "shmem": status_kib("RssShmem") or 0}
             except OSError:
                 pass
         else:
+            app = self.holdings.app_bytes() if self.holdings else 0
+            store = self.holdings.store_bytes() if self.holdings else 0
+            self.peak_app, self.peak_store = max(self.peak_app, app), max(self.peak_store, store)
+            if server >= self.server_peak_after_r0:
+                # RssAnon: the process's own heap; RssShmem: shared memory it maps (Ray's object
+                # store, /dev/shm), counted in its RSS for the pages it touched
+                self.at_server_peak = {"rss": server, "app": app, "store": store,
+                                       "anon": status_kib("RssAnon") or 0, "shmem": status_kib("RssShmem") or 0}
             self.server_peak_after_r0 = max(self.server_peak_after_r0, server)
 
     def top(self, count: int = 8) -> list[dict[str, Any]]:
@@ -213,18 +308,24 @@ def child_scale(spec: dict[str, Any]) -> dict[str, Any]:
 
     import client_app.client_app  # noqa: F401
     from fedmm.cli import run_job
-    from fedmm.data import input_spec
     from fedmm.models import build_model
     from fedmm.results import METRICS_FILE, read_metrics
 
     cfg = spec["cfg"]
     d = cfg["dataset"]
-    model = build_model(cfg["model"]["name"], input_spec(d))
+    try:
+        from fedmm.data import input_spec
+
+        model = build_model(cfg["model"]["name"], input_spec(d))
+    except ImportError:  # an older layout of the app (measured for comparison)
+        model = build_model(cfg["model"]["name"], int(d["in_channels"]), int(d["num_classes"]), int(d["image_size"]))
     model_bytes = sum(v.numel() * v.element_size() for v in model.state_dict().values())
     del model
     timers = instrument_server()
+    holdings = Holdings()
+    watch_holdings(holdings)
     run_dir = Path(cfg["output_dir"])
-    sampler = TreeSampler(float(spec["interval"]), run_dir / METRICS_FILE)
+    sampler = TreeSampler(float(spec["interval"]), run_dir / METRICS_FILE, holdings)
     baseline = rss_bytes()
     sampler.start()
     start = time.perf_counter()
@@ -261,6 +362,18 @@ def child_scale(spec: dict[str, Any]) -> dict[str, Any]:
         "server_above_round0_models": above / model_bytes,
         "server_target_models": k + 3,
         "server_vmhwm_mib": (status_kib("VmHWM") or 0) / MIB,
+        # who holds model bytes (distinct arrays): each one's own peak, and both at the server's peak
+        "app_peak_models": sampler.peak_app / model_bytes,
+        "store_peak_models": sampler.peak_store / model_bytes,
+        "at_server_peak_app_models": sampler.at_server_peak.get("app", 0) / model_bytes,
+        "at_server_peak_store_models": sampler.at_server_peak.get("store", 0) / model_bytes,
+        "at_server_peak_rest_models": (above - sampler.at_server_peak.get("app", 0) - sampler.at_server_peak.get("store", 0))
+        / model_bytes,
+        # the server's peak above round 0 split into its own heap and the shared memory it maps
+        "at_server_peak_anon_above_r0_models": (sampler.at_server_peak.get("anon", 0)
+                                                - (sampler.server_rss_r0_parts or {}).get("anon", 0)) / model_bytes,
+        "at_server_peak_shmem_above_r0_models": (sampler.at_server_peak.get("shmem", 0)
+                                                 - (sampler.server_rss_r0_parts or {}).get("shmem", 0)) / model_bytes,
         "tree_peak_rss_sum_mib": sampler.peak_rss_sum / MIB,
         "tree_peak_pss_sum_mib": sampler.peak_pss_sum / MIB if sampler.pss_available else None,
         "tree_peak_processes": sampler.peak_processes,
@@ -270,6 +383,25 @@ def child_scale(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- driver
+
+
+def write_synthetic_cifar(folder: Path, num_train: int, num_test: int = 100) -> Path:
+    """Random 32x32 RGB images with 10 labels, as a ``DatasetDict.save_to_disk`` folder."""
+    import datasets
+    import numpy as np
+    from PIL import Image
+
+    if (folder / "dataset_dict.json").exists():
+        return folder
+    rng = np.random.default_rng(0)
+    features = datasets.Features({"img": datasets.Image(), "label": datasets.ClassLabel(num_classes=10)})
+    splits = {}
+    for split, n in (("train", num_train), ("test", num_test)):
+        images = rng.integers(0, 256, size=(n, 32, 32, 3), dtype=np.uint8)
+        splits[split] = datasets.Dataset.from_dict(
+            {"img": [Image.fromarray(a) for a in images], "label": (np.arange(n) % 10).tolist()}, features=features)
+    datasets.DatasetDict(splits).save_to_disk(str(folder))
+    return folder
 
 
 def compose_cfg(args: argparse.Namespace, strategy: str, output_dir: Path) -> dict[str, Any]:
@@ -302,6 +434,10 @@ def main() -> None:
     parser.add_argument("--client-cpus", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sample-interval", type=float, default=0.25, help="seconds between memory samples")
+    parser.add_argument("--synthetic-cifar", type=int, default=0, metavar="N",
+                        help="train on N random CIFAR-shaped images (32x32x3, written once to the workdir as a "
+                             "Hugging Face save_to_disk folder, loaded with dataset=cifar10 dataset.path=...): vgg16 "
+                             "needs 32x32 inputs and CIFAR itself needs the internet")
     parser.add_argument("--override", nargs="*", default=[], help="further hydra overrides")
     parser.add_argument("--workdir", default=None, help="where runs and logs go (default: a new temporary folder)")
     parser.add_argument("--verbose", action="store_true", help="show the children's output")
@@ -316,6 +452,9 @@ def main() -> None:
         return
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="fedmm-scale-")).resolve()
+    if args.synthetic_cifar:
+        folder = write_synthetic_cifar(workdir / "synthetic-cifar", args.synthetic_cifar)
+        args.override = ["dataset=cifar10", f"dataset.path={folder}"] + args.override
     cores = num_cores()
     parallel = max(1, int(cores // args.client_cpus))
     print(f"scale: {cores} cores ({parallel} ClientApps at a time), runs and logs in {workdir}", flush=True)
@@ -342,6 +481,11 @@ def main() -> None:
             print(f"{'':<10}per round: configure {b['configure_train']:.2f}s, send_and_receive {b['train_send_and_receive']:.2f}s "
                   f"(clients' own training {b['client_train_sum']:.2f}s summed, /{parallel} parallel), aggregate "
                   f"{b['aggregate_train']:.2f}s, evaluate {b['central_evaluate']:.2f}s", flush=True)
+        print(f"{'':<10}model copies at the server's peak: strategy {row['at_server_peak_app_models']:.1f}, Flower's message "
+              f"store {row['at_server_peak_store_models']:.1f}, the rest {row['at_server_peak_rest_models']:.1f} (each one's own "
+              f"peak: strategy {row['app_peak_models']:.1f}, store {row['store_peak_models']:.1f}); above round 0 at that "
+              f"peak: heap {row['at_server_peak_anon_above_r0_models']:.1f}, shared memory (Ray's object store) "
+              f"{row['at_server_peak_shmem_above_r0_models']:.1f}", flush=True)
         top = ", ".join(f"{p['name']} {p['peak_rss_mib']:.0f}" for p in row["top_processes"][:6])
         print(f"{'':<10}largest processes (peak RSS MiB): {top}", flush=True)
     print("server r0: server RSS at the round-0 evaluation; peak: its largest sampled RSS after that; copies: (peak - r0) / "
