@@ -99,6 +99,38 @@ def attach_ray(init_args: dict[str, Any]) -> bool:
     return True
 
 
+def start_local_ray(init_args: dict[str, Any]) -> bool:
+    """Start the job's private Ray here, as Flower's Ray backend would (its ``init_args``,
+    no dashboard, this process's ``sys.path`` as the workers' ``PYTHONPATH``), and keep fedmm's
+    SIGINT / SIGTERM handlers, which ``ray.init`` replaces (a SIGTERM then aborted the process
+    instead of stopping the run with a checkpoint). Flower sees Ray initialised and uses it; it
+    shuts it down at the end of the job. Only from the main thread (signal handlers live there);
+    elsewhere Flower starts Ray itself. Returns whether Ray was started here.
+    """
+    import signal
+    import sys
+    import threading
+
+    import ray
+
+    if threading.current_thread() is not threading.main_thread() or ray.is_initialized():
+        return False
+    args = copy.deepcopy(init_args)
+    args.setdefault("include_dashboard", False)
+    pythonpath = os.pathsep.join(sys.path)
+    if os.environ.get("PYTHONPATH"):
+        pythonpath = f"{pythonpath}{os.pathsep}{os.environ['PYTHONPATH']}"
+    os.environ["PYTHONPATH"] = pythonpath
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        ray.init(runtime_env={"env_vars": {"PYTHONPATH": pythonpath}}, **args)
+    finally:
+        for sig, handler in handlers.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+    return True
+
+
 def run_job(cfg: dict[str, Any]) -> Path:
     """Run one validated experiment on the simulation engine and return its results directory."""
     import warnings
@@ -125,6 +157,7 @@ def run_job(cfg: dict[str, Any]) -> Path:
 
     backend = backend_config(cfg)
     attached = attach_ray(backend["init_args"])
+    started = False if attached else start_local_ray(backend["init_args"])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         try:
@@ -143,8 +176,8 @@ def run_job(cfg: dict[str, Any]) -> Path:
         finally:
             if "dir" not in out and "error" not in out:
                 abort("the simulation runtime stopped before the experiment finished")
-            if attached:
-                _disconnect_ray()
+            if attached or started:
+                _disconnect_ray()  # Flower's backend shuts Ray down; this covers a runtime that failed first
     if "error" in out:
         err = out["error"]
         if isinstance(err, KeyboardInterrupt):
