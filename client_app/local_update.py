@@ -23,15 +23,17 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from flwr.app import RecordDict
 from torch import nn
 from torch.nn import functional as F
 
 from fedmm.config import Choice, MapOf, Nullable, Number, register_schema
 from fedmm.errors import ConfigError
+
+if TYPE_CHECKING:  # Flower only for the defaults below: the plugins train without it
+    from flwr.app import RecordDict
 
 
 class LocalUpdate:
@@ -54,6 +56,8 @@ class LocalUpdate:
     def __init__(self, cfg: Mapping[str, Any], state: RecordDict | None = None, content: RecordDict | None = None) -> None:
         self.cfg = cfg
         self.params: Mapping[str, Any] = cfg.get("objective", {"name": "ce"})
+        if state is None or content is None:
+            from flwr.app import RecordDict
         self.state = state if state is not None else RecordDict()
         self.content = content if content is not None else RecordDict()
 

@@ -2,6 +2,10 @@
 
 What a method changes (loss, optimizer step, state, extra records) comes in through its
 local-update plugin (:mod:`client_app.local_update`); this loop stays the same for all.
+
+The module imports no Flower: :func:`train_epochs` is the loop itself (``bench/gpu_throughput.py``
+runs it on a machine with PyTorch only); :func:`train` adds the reply's metric names from
+:mod:`fedmm.protocol`, imported when first called.
 """
 
 from __future__ import annotations
@@ -15,7 +19,6 @@ from torch import nn
 
 from client_app.local_update import LocalUpdate
 from fedmm.data import TensorData, batches
-from fedmm.protocol import NUM_EXAMPLES
 
 
 def round_lr(training: Mapping[str, Any], server_round: int) -> float:
@@ -24,7 +27,7 @@ def round_lr(training: Mapping[str, Any], server_round: int) -> float:
     return float(training["lr"]) * float(training["lr_decay_factor"]) ** passed
 
 
-def train(
+def train_epochs(
     model: nn.Module,
     data: TensorData,
     update: LocalUpdate,
@@ -32,8 +35,8 @@ def train(
     server_round: int,
     generator: torch.Generator,
     device: torch.device,
-) -> dict[str, float]:
-    """Run ``local_epochs`` of SGD through ``update``; return mean training loss, examples, seconds."""
+) -> tuple[float, float]:
+    """Run ``local_epochs`` of SGD through ``update``; return (mean training loss, seconds)."""
     start = time.perf_counter()
     model.to(device).train()
     update.begin(model, server_round)
@@ -49,8 +52,20 @@ def train(
             loss = update.step(model, optimizer, x, y)
             total_loss += float(loss.detach()) * len(y)
             total_seen += len(y)
-    return {
-        "train_loss": total_loss / max(total_seen, 1),
-        NUM_EXAMPLES: float(len(data)),
-        "train_time": time.perf_counter() - start,
-    }
+    return total_loss / max(total_seen, 1), time.perf_counter() - start
+
+
+def train(
+    model: nn.Module,
+    data: TensorData,
+    update: LocalUpdate,
+    training: Mapping[str, Any],
+    server_round: int,
+    generator: torch.Generator,
+    device: torch.device,
+) -> dict[str, float]:
+    """Run ``local_epochs`` of SGD through ``update``; return mean training loss, examples, seconds."""
+    from fedmm.protocol import NUM_EXAMPLES  # here: the loop above runs without Flower installed
+
+    train_loss, train_time = train_epochs(model, data, update, training, server_round, generator, device)
+    return {"train_loss": train_loss, NUM_EXAMPLES: float(len(data)), "train_time": train_time}
