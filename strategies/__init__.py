@@ -6,7 +6,7 @@ Each module provides ``from_config(cfg) -> Strategy`` and ``CONFIG_SCHEMA`` (the
 
 The strategy classes work in any Flower app (they need only Flower's message conventions):
 
-    from strategies import FedMR, FedCross, FedAvg
+    from strategies import FedMR, FedCross, FedMut, FedAvg
 """
 
 from __future__ import annotations
@@ -19,16 +19,17 @@ from flwr.serverapp.strategy import Strategy
 
 from fedmm.config import register_schema
 from fedmm.errors import ConfigError
-from strategies import fedavg, fedcross, fedmr
+from strategies import fedavg, fedcross, fedmr, fedmut
 from strategies.base import RoundLoopStrategy
 from strategies.fedavg import FedAvg
 from strategies.fedcross import FedCross
 from strategies.fedmr import FedMR
+from strategies.fedmut import FedMut
 from strategies.multimodel import MultiModelStrategy
 from strategies.selection import ClientSelector, SeededRosterSelector
 
 __all__ = [
-    "STRATEGIES", "build_strategy", "ClientSelector", "FedAvg", "FedCross", "FedMR", "MultiModelStrategy",
+    "STRATEGIES", "build_strategy", "ClientSelector", "FedAvg", "FedCross", "FedMR", "FedMut", "MultiModelStrategy",
     "RoundLoopStrategy", "SeededRosterSelector",
 ]
 
@@ -37,6 +38,7 @@ STRATEGIES: dict[str, ModuleType] = {
     "fedavg": fedavg,
     "fedmr": fedmr,
     "fedcross": fedcross,
+    "fedmut": fedmut,
 }
 
 def check_federated_evaluation(values: Mapping[str, Any], cfg: Mapping[str, Any]) -> None:

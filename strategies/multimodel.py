@@ -37,6 +37,7 @@ class MultiModelStrategy(RoundLoopStrategy):
             raise ValueError(f"num_models must be >= 1, got {num_models}")
         super().__init__(num_models, seed, fraction_evaluate, selector)
         self.num_models = num_models
+        self.round_mean: ModelDict | None = None  # set while update_models runs
 
     # ------------------------------------------------------------------ method hook
     def update_models(self, server_round: int, models: list[ModelDict], trained: list[int]) -> list[ModelDict]:
@@ -45,7 +46,9 @@ class MultiModelStrategy(RoundLoopStrategy):
         ``models[i]`` is the model node i trained (or, for a failed node, the model it was
         given); ``trained`` lists the indices whose training came back. The dicts belong to the
         method: it may reuse their arrays or empty them to save memory (the global model has
-        already been taken). Override this.
+        already been taken: ``self.round_mean`` is this round's global model, the unweighted
+        mean of ``models``, while ``self.global_model`` is still the previous round's).
+        Override this.
         """
         return models
 
@@ -65,8 +68,9 @@ class MultiModelStrategy(RoundLoopStrategy):
         updated = [dict(m) for m in self.models]  # the method may empty these dicts; the pool's stay whole
         for update in updates:
             updated[update.slot] = update.model
-        global_model = mean_models(updated)
+        global_model = self.round_mean = mean_models(updated)
         self.models = self.update_models(server_round, updated, [u.slot for u in updates])
+        self.round_mean = None
         if len(self.models) != self.num_models:
             raise RuntimeError(f"{type(self).__name__}.update_models returned {len(self.models)} models, expected {self.num_models}")
         return global_model
