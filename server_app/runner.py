@@ -226,6 +226,7 @@ def _run_locked(grid: Grid, cfg: dict[str, Any], run_dir: Path, checkpoint: dict
             }
             if server_round > 0:
                 row["replies"] = strategy.last_replies
+                row.update({key: float(value) for key, value in strategy.round_log.items()})
                 federated = strategy.last_evaluate_metrics
                 if federated:  # clients' held-out rows, example-weighted
                     row["federated_accuracy"] = federated.get("accuracy")

@@ -19,17 +19,18 @@ from flwr.serverapp.strategy import Strategy
 
 from fedmm.config import register_schema
 from fedmm.errors import ConfigError
-from strategies import fedavg, fedcross, fedmr, fedmut
+from strategies import fedavg, fedcross, fedexp, fedmr, fedmut
 from strategies.base import RoundLoopStrategy
 from strategies.fedavg import FedAvg
 from strategies.fedcross import FedCross
+from strategies.fedexp import FedExP
 from strategies.fedmr import FedMR
 from strategies.fedmut import FedMut
 from strategies.multimodel import MultiModelStrategy
 from strategies.selection import ClientSelector, SeededRosterSelector
 
 __all__ = [
-    "STRATEGIES", "build_strategy", "ClientSelector", "FedAvg", "FedCross", "FedMR", "FedMut", "MultiModelStrategy",
+    "STRATEGIES", "build_strategy", "ClientSelector", "FedAvg", "FedCross", "FedExP", "FedMR", "FedMut", "MultiModelStrategy",
     "RoundLoopStrategy", "SeededRosterSelector",
 ]
 
@@ -39,6 +40,7 @@ STRATEGIES: dict[str, ModuleType] = {
     "fedmr": fedmr,
     "fedcross": fedcross,
     "fedmut": fedmut,
+    "fedexp": fedexp,
 }
 
 def check_federated_evaluation(values: Mapping[str, Any], cfg: Mapping[str, Any]) -> None:

@@ -100,6 +100,9 @@ class RoundLoopStrategy(Strategy):
         self.last_rejections: list[str] = []
         #: Federated-evaluation metrics of the current round (None when clients did not evaluate).
         self.last_evaluate_metrics: dict[str, float] | None = None
+        #: Numbers a method reports about its own round (e.g. FedExP's server step size), written
+        #: into the round's row of ``metrics.jsonl``; reset at the start of every round.
+        self.round_log: dict[str, float] = {}
         # Metadata of the round's train messages (the grid fills in their ids when it pushes
         # them); the messages themselves are not kept once pushed.
         self._pending: list[Any] = []
@@ -166,6 +169,7 @@ class RoundLoopStrategy(Strategy):
         assert self.models is not None
         if self.spec is None:
             self.spec = protocol.array_spec(self.models[0])
+        self.round_log = {}
         node_ids = self.selector.select(grid, server_round, self.clients_per_round)
         encoded: dict[int, ArrayRecord] = {}  # encode each server model once per round
         messages = []
