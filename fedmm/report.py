@@ -31,7 +31,7 @@ from fedmm.results import SUMMARY_FILE, read_metrics
 def method_label(cfg: dict[str, Any]) -> str:
     """Readable method name of a run's config."""
     s, obj = cfg["strategy"], cfg.get("objective", {}).get("name", "ce")
-    name = {"fedavg": "FedAvg", "fedmr": "FedMR", "fedcross": "FedCross", "fedmut": "FedMut", "fedexp": "FedExP"}.get(s["name"], s["name"])
+    name = {"fedavg": "FedAvg", "fedmr": "FedMR", "fedcross": "FedCross", "fedmut": "FedMut", "fedexp": "FedExP", "solo": "SOLO"}.get(s["name"], s["name"])
     if s["name"] == "fedmr" and s.get("partition_ratio") == 1.0:
         name = "Indep"
     extras = []

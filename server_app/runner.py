@@ -213,13 +213,27 @@ def _run_locked(grid: Grid, cfg: dict[str, Any], run_dir: Path, checkpoint: dict
         def central_evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
             if server_round % eval_every and server_round != num_rounds:
                 return None
-            model.load_state_dict(arrays.to_torch_state_dict())
-            metrics = evaluate_model(model, test, device)
+            several = strategy.models_to_evaluate() if server_round > 0 else None
+            spread: dict[str, float] = {}
+            if several:  # e.g. SOLO: the clients' own models, each on the test split
+                results = []
+                for state in several:
+                    model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in state.items()})
+                    results.append(evaluate_model(model, test, device))
+                accuracies = np.array([r["accuracy"] for r in results])
+                metrics = {"accuracy": float(accuracies.mean()), "loss": float(np.mean([r["loss"] for r in results]))}
+                spread = {"accuracy_std": float(accuracies.std(ddof=1)) if len(results) > 1 else 0.0,
+                          "accuracy_min": float(accuracies.min()), "accuracy_max": float(accuracies.max()),
+                          "models_evaluated": len(results)}
+            else:
+                model.load_state_dict(arrays.to_torch_state_dict())
+                metrics = evaluate_model(model, test, device)
             elapsed = time.perf_counter() - t0
             row = {
                 "round": server_round,
                 "accuracy": metrics["accuracy"],
                 "loss": metrics["loss"],
+                **spread,
                 "seconds": round(elapsed, 3),
                 "bytes_sent": counting.bytes_sent,
                 "bytes_received": counting.bytes_received,

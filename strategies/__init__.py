@@ -19,7 +19,7 @@ from flwr.serverapp.strategy import Strategy
 
 from fedmm.config import register_schema
 from fedmm.errors import ConfigError
-from strategies import fedavg, fedcross, fedexp, fedmr, fedmut
+from strategies import fedavg, fedcross, fedexp, fedmr, fedmut, solo
 from strategies.base import RoundLoopStrategy
 from strategies.fedavg import FedAvg
 from strategies.fedcross import FedCross
@@ -41,6 +41,7 @@ STRATEGIES: dict[str, ModuleType] = {
     "fedcross": fedcross,
     "fedmut": fedmut,
     "fedexp": fedexp,
+    "solo": solo,
 }
 
 def check_federated_evaluation(values: Mapping[str, Any], cfg: Mapping[str, Any]) -> None:

@@ -121,6 +121,15 @@ class RoundLoopStrategy(Strategy):
         """Index of the server model sent to the ``slot``-th selected node (default: model 0)."""
         return 0
 
+    def prepare_round(self, server_round: int, node_ids: list[int]) -> None:
+        """Called with the round's selected nodes (in slot order) before their messages are
+        built (e.g. to put each node's own model in its slot). Default: nothing."""
+
+    def models_to_evaluate(self) -> list[ModelDict] | None:
+        """Several models for the central evaluation to report on (mean and spread of their
+        accuracy), or None: the global model is evaluated (default)."""
+        return None
+
     def extra_records(self, server_round: int, slot: int) -> dict[str, Any]:
         """Further records of the train message of ``slot`` (e.g. a control variate)."""
         return {}
@@ -171,6 +180,7 @@ class RoundLoopStrategy(Strategy):
             self.spec = protocol.array_spec(self.models[0])
         self.round_log = {}
         node_ids = self.selector.select(grid, server_round, self.clients_per_round)
+        self.prepare_round(server_round, node_ids)
         encoded: dict[int, ArrayRecord] = {}  # encode each server model once per round
         messages = []
         for slot, node_id in enumerate(node_ids):

@@ -33,6 +33,11 @@ class ClientSelector(ABC):
     def select(self, grid: Grid, server_round: int, count: int, stream: int = 0) -> list[int]:
         """``count`` distinct node ids, in the order their slots are filled."""
 
+    def node_key(self, node_id: int) -> str:
+        """A name of the node that stays the same across runs where the selector knows one
+        (default: its node id)."""
+        return f"node:{node_id:020d}"
+
     def state_dict(self) -> dict[str, Any]:
         """What the selector must carry across a resume (nothing for a stateless one)."""
         return {}
@@ -116,6 +121,10 @@ class SeededRosterSelector(ClientSelector):
             if protocol.NODE_KEY in record:
                 keys[reply.metadata.src_node_id] = str(record[protocol.NODE_KEY])
         return keys, errors
+
+    def node_key(self, node_id: int) -> str:
+        """The node's stable key from the roster query (its partition id or data path)."""
+        return self._keys.get(node_id) or super().node_key(node_id)
 
     def select(self, grid: Grid, server_round: int, count: int, stream: int = 0) -> list[int]:
         """``count`` distinct nodes drawn with ``rng(seed, server_round[, stream])``, in random order."""

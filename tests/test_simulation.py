@@ -88,15 +88,15 @@ def test_flwr_run_simulation_writes_metrics(tmp_path: Path) -> None:
 
 
 def test_multimodel_simulation_dispatch_stages_and_failing_client(tmp_path: Path) -> None:
-    """FedMR, FedCross, FedMut, then FedExP, in one simulation: K = N = 3 so every node trains
-    every round; partition 0 always fails (a third of the clients: no model may be lost)."""
+    """FedMR, FedCross, FedMut, FedExP, then SOLO, in one simulation: K = N = 3 so every node
+    trains every round; partition 0 always fails (a third of the clients: no model may be lost)."""
     from flwr.simulation import run_simulation
 
     from tests.sim_apps import failing_client_app, recording_server_app
 
-    strategies = ["fedmr", "fedcross", "fedmut", "fedexp"]
+    strategies = ["fedmr", "fedcross", "fedmut", "fedexp", "solo"]
     staged = {"fedmr": ["strategy.first_stage_rounds=1"], "fedcross": ["strategy.first_stage_rounds=1"], "fedmut": [],
-              "fedexp": []}
+              "fedexp": [], "solo": []}
     cfgs = [
         to_container(compose([
             f"strategy={strategy}", *staged[strategy], "num_rounds=3", "num_clients=3",
@@ -112,7 +112,7 @@ def test_multimodel_simulation_dispatch_stages_and_failing_client(tmp_path: Path
         num_supernodes=3,
         backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"logging_level": "ERROR"}},
     )
-    assert len(out["dirs"]) == 4
+    assert len(out["dirs"]) == 5
     for index, run in enumerate(out["dirs"]):
         digests = defaultdict(list)
         for rnd, _, digest in log[9 * index : 9 * (index + 1)]:  # 3 rounds x 3 messages per run
@@ -125,6 +125,11 @@ def test_multimodel_simulation_dispatch_stages_and_failing_client(tmp_path: Path
             assert len(set(digests[2])) == 1 and len(set(digests[3])) == 1 and digests[2][0] != digests[1][0]
             rows = read_metrics(run)
             assert all(r["eta_g"] >= 1.0 for r in rows[1:]) and [r.get("replies") for r in rows[1:]] == [2, 2, 2]
+            continue
+        elif strategies[index] == "solo":  # each node gets its own model back: the failing one keeps the initial
+            assert len(set(digests[2])) == 3 and digests[1][0] in digests[2]
+            rows = read_metrics(run)
+            assert [r["models_evaluated"] for r in rows[1:]] == [2, 2, 2] and all("accuracy_std" in r for r in rows[1:])
             continue
         else:
             assert len(set(digests[2])) == 1  # stage 1 reset every model to the aggregate

@@ -1,0 +1,82 @@
+"""SOLO (FedRL's baseline): every client trains only its own model, on its own data.
+
+Nothing is aggregated. The server keeps each client's latest model under the client's stable
+key (its partition id or data path, from the roster query) and sends it back to that client when
+it is selected again, so a client trains ``num_rounds × training.local_epochs`` epochs in all
+with full participation, and a resumed run continues every client's own model. The central
+evaluation reports the mean test accuracy of the local models on the test split, with its
+spread (``accuracy_std``, sample std; ``accuracy_min`` / ``accuracy_max``; ``models_evaluated``)
+in ``metrics.jsonl``. ``final_model.pt`` holds the element-wise mean of the local models (an
+artefact SOLO never trains or reports); ``final_models.npz`` is not written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from fedmm.config import Number
+from fedmm.protocol import ClientUpdate, ModelDict
+from strategies.aggregation import mean_models
+from strategies.base import RoundLoopStrategy
+from strategies.selection import ClientSelector
+
+#: Keys of the ``strategy`` config group of SOLO (defaults in conf/strategy/solo.yaml).
+CONFIG_SCHEMA = {"fraction_evaluate": Number(ge=0.0, le=1.0)}
+
+
+class Solo(RoundLoopStrategy):
+    """Local training only: one model per client, kept by the server between the client's rounds."""
+
+    def __init__(
+        self, clients_per_round: int, seed: int, fraction_evaluate: float = 0.0, selector: ClientSelector | None = None
+    ) -> None:
+        super().__init__(clients_per_round, seed, fraction_evaluate, selector)
+        self.initial: ModelDict | None = None
+        #: node key -> that client's latest model.
+        self.local_models: dict[str, ModelDict] = {}
+        self._slot_keys: list[str] = []
+
+    def initialize(self, initial: ModelDict) -> None:
+        """Every client starts from the initial model."""
+        self.initial = initial
+        self.models = [initial]
+        self.global_model = initial
+
+    def prepare_round(self, server_round: int, node_ids: list[int]) -> None:
+        """Put each selected client's own model (the initial one the first time) in its slot."""
+        assert self.initial is not None
+        self._slot_keys = [self.selector.node_key(node) for node in node_ids]
+        self.models = [self.local_models.get(key, self.initial) for key in self._slot_keys]
+
+    def model_for_slot(self, slot: int) -> int:
+        """Slot i carries the i-th selected client's own model."""
+        return slot
+
+    def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> ModelDict | None:
+        """Keep every returned model as its client's; nothing is averaged into anyone's model."""
+        for update in updates:
+            self.local_models[self._slot_keys[update.slot]] = update.model
+        if not self.local_models:
+            return None
+        return mean_models(list(self.local_models.values()))
+
+    def models_to_evaluate(self) -> list[ModelDict] | None:
+        """The local models of every client trained so far."""
+        return [self.local_models[key] for key in sorted(self.local_models)] or None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The base state plus every client's model and the initial model."""
+        return {**super().state_dict(), "initial": self.initial, "local_models": dict(self.local_models)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        super().load_state_dict(state)
+        self.initial = state["initial"]
+        self.local_models = dict(state["local_models"])
+
+
+def from_config(cfg: Mapping[str, Any]) -> Solo:
+    """Build SOLO from the resolved run config."""
+    return Solo(clients_per_round=cfg["clients_per_round"], seed=cfg["seed"],
+                fraction_evaluate=cfg["strategy"]["fraction_evaluate"])
