@@ -78,6 +78,9 @@ def compose_cfg(args: argparse.Namespace, strategy: str, client_cpus: float, out
     return cfg
 
 
+#: Methods whose server step the plain loop implements (others get FedAvg's, see ``main``).
+PLAIN_SERVER_STEPS = ("fedavg", "fedmr", "fedcross")
+
 #: Benchmark shapes: the app's default config, and the seed papers' experiments (FedMR / FedCross:
 #: 100 clients, 10 per round, Dirichlet 0.1, 5 local epochs, batch 50, the cnn; on mnist5k that is
 #: 40 training images per client on average, 1 to 172, so a handful of SGD steps per client; the
@@ -332,7 +335,7 @@ def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
     server_model = build_model(cfg["model"]["name"], shape)
     initial = _to_numpy(server_model)
     client_model = build_model(cfg["model"]["name"], shape)  # the ClientApp's cached model
-    update = MultiModelUpdate(cfg) if name in ("fedmr", "fedcross") else None
+    update = MultiModelUpdate(cfg) if name in ("fedmr", "fedcross") else None  # else FedAvg's weighted mean
     setup = time.perf_counter() - setup_start
 
     t0 = time.perf_counter()
@@ -658,7 +661,9 @@ def main() -> None:
         def fmt(key: str, spec: str, width: int) -> str:
             return f"{format(row[key], spec) if row.get(key) is not None else '—':>{width}}"
 
-        other = row["runner"].startswith("Flower FedAvg") and strategy != "fedavg"  # another method: nothing to compare
+        # another method's server step, or no plain loop with this one: nothing to compare
+        other = (row["runner"].startswith("Flower FedAvg") and strategy != "fedavg") or (
+            row["runner"].startswith("this app") and "delta_accuracy" not in row)
         delta = f"{row['delta_accuracy']:+.4f}" if "delta_accuracy" in row else "—" if other else "ref"
         diff = f"{row['max_weight_diff']:.1e}" if "max_weight_diff" in row else "—" if other else "ref"
         print(f"{strategy:<10}{row['runner']:<36}{row['parallel']:>9}{row['threads']:>8}{row['per_round_s']:>9.3f}"
@@ -670,7 +675,10 @@ def main() -> None:
         for threads in args.threads if "plain" in args.runners else []:
             cfg = compose_cfg(args, strategy, args.client_cpus[0], workdir / strategy / f"plain-t{threads}")
             res = run_child("plain", {"cfg": cfg, "threads": threads}, workdir / strategy / f"plain-t{threads}", args.verbose)
-            plain_rows.append(dict(res, strategy=strategy, runner="plain loop", parallel=1, threads=threads, client_cpus=None,
+            # The plain loop has the server step of FedAvg, FedMR and FedCross; for any other method
+            # it does the same client work with FedAvg's server step (so no accuracy comparison).
+            runner = "plain loop" if cfg["strategy"]["name"] in PLAIN_SERVER_STEPS else "plain loop, FedAvg's step"
+            plain_rows.append(dict(res, strategy=strategy, runner=runner, parallel=1, threads=threads, client_cpus=None,
                                    num_clients=cfg["num_clients"], clients_per_round=cfg["clients_per_round"],
                                    local_epochs=cfg["training"]["local_epochs"], model=cfg["model"]["name"]))
         reference = plain_rows[0] if plain_rows else None
@@ -685,7 +693,7 @@ def main() -> None:
                        parallel=parallel, threads=threads, client_cpus=client_cpus)
             # Compare with the plain loop of the same per-client thread count when there is one.
             match = next((p for p in plain_rows if p["threads"] == threads), reference)
-            if match is not None:
+            if match is not None and match["runner"] == "plain loop":
                 row.update(compared_with_threads=match["threads"],
                            delta_accuracy=res["accuracy"][args.rounds] - match["accuracy"][args.rounds],
                            max_weight_diff=max_weight_diff(res["final_model"], match["final_model"]))
