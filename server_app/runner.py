@@ -27,11 +27,12 @@ from fedmm.data import input_spec, label_histograms, load_dataset, partition_ind
 from fedmm.errors import ConfigError
 from fedmm.evaluation import evaluate as evaluate_model
 from fedmm.evaluation import resolve_device
-from fedmm.interrupt import STOP, raise_if_stopped
+from fedmm.interrupt import raise_if_stopped
 from fedmm.models import build_model
 from server_app.checkpoint import load_checkpoint, restore_rng_states, rng_states, save_checkpoint
 from server_app.recording import RunLock, RunRecorder, create_run_dir
 from strategies import build_strategy
+from strategies.base import exchange
 from strategies.multimodel import MultiModelStrategy
 
 
@@ -67,20 +68,9 @@ class CountingGrid:
         return replies
 
     def send_and_receive(self, messages, *, timeout=None):  # noqa: ANN001 - Grid's signature
-        """Push, then pull until every reply is in or ``timeout`` passes (as Flower's grids do)."""
-        messages = list(messages)
-        raise_if_stopped()
-        pending = set(self.push_messages(messages))
-        del messages
-        end = time.monotonic() + (timeout if timeout is not None else float("inf"))
-        replies: list[Message] = []
-        while pending and time.monotonic() < end:
-            got = self.pull_messages(pending)
-            replies += got
-            pending.difference_update(m.metadata.reply_to_message_id for m in got)
-            if pending and STOP.wait(self.poll_interval):
-                raise_if_stopped()
-        return replies
+        """Push, then pull until every reply is in or ``timeout`` passes (as Flower's grids do),
+        through the counting push/pull above; stops waiting when a stop is requested."""
+        return exchange(self, list(messages), timeout, poll_interval=self.poll_interval)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._grid, name)

@@ -49,6 +49,42 @@ def non_finite_key(model: ModelDict | None) -> str | None:
     return None
 
 
+def exchange(
+    grid: Grid,
+    messages: list[Message],
+    timeout: float | None,
+    on_reply: Callable[[Message], None] | None = None,
+    poll_interval: float = POLL_INTERVAL,
+) -> list[Message]:
+    """Push ``messages`` and pull their replies until all are in, ``timeout`` seconds pass
+    (None: no limit) or a stop is requested (:mod:`fedmm.interrupt`).
+
+    The list is emptied once pushed, so that only the grid holds the messages until their
+    replies are in. With ``on_reply`` each reply is handed to it as soon as it is pulled and not
+    kept (an empty list is returned); without, the replies are returned.
+    """
+    raise_if_stopped()
+    pending = set(grid.push_messages(messages))
+    messages.clear()
+    deadline = time.monotonic() + (timeout if timeout is not None else float("inf"))
+    replies: list[Message] = []
+    while pending:
+        pulled = list(grid.pull_messages(pending))
+        while pulled:
+            reply = pulled.pop(0)  # the pulled list does not keep a handled reply alive
+            pending.discard(reply.metadata.reply_to_message_id)
+            if on_reply is None:
+                replies.append(reply)
+            else:
+                on_reply(reply)
+            del reply  # nor does this frame while the next one is pulled
+        if not pending or time.monotonic() >= deadline:
+            break
+        if STOP.wait(poll_interval):
+            raise_if_stopped()
+    return replies
+
+
 class RunFailed(RuntimeError):
     """The run cannot go on (e.g. no client reply was accepted for ``max_failed_rounds`` rounds)."""
 
@@ -318,28 +354,9 @@ class RoundLoopStrategy(Strategy):
         """
         if not messages:
             return []
-        raise_if_stopped()
         batch = list(messages)
         messages.clear()
-        pending = set(grid.push_messages(batch))
-        del batch
-        deadline = time.monotonic() + timeout
-        replies: list[Message] = []
-        while pending:
-            pulled = list(grid.pull_messages(pending))
-            while pulled:
-                reply = pulled.pop(0)
-                pending.discard(reply.metadata.reply_to_message_id)
-                if on_reply is None:
-                    replies.append(reply)
-                else:
-                    on_reply(reply)
-                del reply
-            if not pending or time.monotonic() >= deadline:
-                break
-            if STOP.wait(POLL_INTERVAL):
-                raise_if_stopped()
-        return replies
+        return exchange(grid, batch, timeout, on_reply)
 
     def run_round(
         self, server_round: int, grid: Grid, arrays: ArrayRecord, config: ConfigRecord, timeout: float

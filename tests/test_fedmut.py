@@ -68,12 +68,13 @@ def test_every_tensor_is_mutated_per_key_and_dtypes_kept() -> None:
         for key in new:
             assert model[key].dtype == new[key].dtype and model[key].shape == new[key].shape
             assert not np.array_equal(model[key], new[key]), key
-    # each key has its own shuffled signs: the models' positions differ between keys somewhere
-    sign_w = [float(np.sign((m["w"] - new["w"]).ravel()[0] / (new["w"] - old["w"]).ravel()[0])) for m in out]
-    sign_b = [float(np.sign((m["b"] - new["b"])[0])) for m in out]
-    rng_many = [mutate(new, old, 4, 4.0, 0.3, np.random.default_rng(s)) for s in range(8)]
-    assert any([np.sign((m["w"] - new["w"]).ravel()[0]) for m in o] != [np.sign((m["b"] - new["b"])[0]) for m in o]
-               for o in rng_many), (sign_w, sign_b)
+    # each key has its own shuffled signs: over a few seeds, some model moves forward on one key
+    # and backward on another (Δ > 0 for "b"; for "w" the sign is taken relative to Δ)
+    def side(model: dict, key: str) -> float:
+        return float(np.sign((model[key] - new[key]).ravel()[0] * (new[key] - old[key]).ravel()[0]))
+
+    outs = [mutate(new, old, 4, 4.0, 0.3, np.random.default_rng(s)) for s in range(8)]
+    assert any([side(m, "w") for m in o] != [side(m, "b") for m in o] for o in outs)
     # integer buffers: mutated in float64, truncated toward zero (13 + s·4·3 with s in {1, -0.7})
     assert sorted(int(m["bn.num_batches_tracked"]) for m in out) == [4, 4, 25, 25]
     assert int(new["bn.num_batches_tracked"]) == 13 and int(old["bn.num_batches_tracked"]) == 10  # inputs untouched
