@@ -176,6 +176,10 @@ def evaluate(msg: Message, context: Context) -> Message:
 
 @app.query()
 def query(msg: Message, context: Context) -> Message:
-    """Report this node's stable key so the server samples reproducibly."""
-    key = node_key(context.node_config, context.node_id)
-    return protocol.reply_message(msg, {protocol.ROSTER: ConfigRecord({protocol.NODE_KEY: key})})
+    """Report this node's stable key so the server samples reproducibly, and, when asked
+    (clustered sampling), the number of examples it trains on."""
+    roster: dict[str, Any] = {protocol.NODE_KEY: node_key(context.node_config, context.node_id)}
+    if protocol.ROSTER_EXAMPLES in msg.content[protocol.CONFIG]:
+        cfg = protocol.read_run_config(msg)
+        roster[protocol.NUM_EXAMPLES] = len(local_data(cfg, context))
+    return protocol.reply_message(msg, {protocol.ROSTER: ConfigRecord(roster)})

@@ -10,7 +10,7 @@ resolved config:
 Validation is one pass (:func:`validate`) over a schema: every config group is checked by the
 schema its owner registers next to the code it configures (:func:`register_schema`):
 ``dataset`` / ``partition`` in :mod:`fedmm.data`, ``model`` in :mod:`fedmm.models`, each
-``strategy`` in its module of ``strategies/``, each ``objective`` (local-update plugin) in
+``strategy`` in its module of ``strategies/`` (and ``selection`` in ``strategies/__init__.py``), each ``objective`` (local-update plugin) in
 ``client_app/plugins.py``; the run-level keys, ``training`` and ``simulation`` are declared
 here. This module imports no app and no strategy: the entry points import those, which
 registers their schemas. Unknown keys at any depth are errors naming the nearest valid key.
@@ -45,7 +45,7 @@ def _find_conf_dir() -> Path:
 CONF_DIR = Path(os.environ.get("FEDMM_CONF_DIR") or _find_conf_dir())
 
 #: Config groups: a run-config key of the same name selects an option of the group.
-GROUPS = ("strategy", "dataset", "partition", "model", "training", "simulation", "objective")
+GROUPS = ("strategy", "dataset", "partition", "model", "training", "simulation", "objective", "selection")
 #: Top-level scalar keys a ``flwr run -c`` may set directly.
 SCALAR_KEYS = (
     "num_rounds", "seed", "eval_every", "num_clients", "clients_per_round", "output_dir", "checkpoint_every", "resume",
@@ -437,7 +437,7 @@ def validate(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
     check_keys("training.", c["training"], _TRAINING_SCHEMA)
     check_keys("simulation.", c["simulation"], _SIMULATION_SCHEMA)
     _check_ray_init_args(c["simulation"])
-    for group in ("dataset", "partition", "model", "strategy", "objective"):
+    for group in ("dataset", "partition", "model", "strategy", "objective", "selection"):
         values = c[group]
         name = values.get("name")
         options = registered_names(group)
@@ -472,6 +472,9 @@ def resume_config(run_dir: str | os.PathLike, changes: Mapping[str, Any] | Seque
     if isinstance(cfg, dict) and isinstance(cfg.get("simulation"), dict):
         for key, default in _SIMULATION_ADDED.items():
             cfg["simulation"].setdefault(key, copy.deepcopy(default))
+    if isinstance(cfg, dict):
+        for key, default in _GROUPS_ADDED.items():
+            cfg.setdefault(key, copy.deepcopy(default))
     items = list(changes.items()) if isinstance(changes, Mapping) else [_split_override(o) for o in changes]
     for key, value in items:
         if key.split(".", 1)[0] not in RESUME_CHANGEABLE:
@@ -489,6 +492,8 @@ def resume_config(run_dir: str | os.PathLike, changes: Mapping[str, Any] | Seque
 #: Keys added to ``simulation`` after runs were made: a run written before has none of them,
 #: and resumes with these values unless the resume command sets them.
 _SIMULATION_ADDED = {"ray_address": None, "ray_init_args": {}}
+#: Config groups added after runs were made (a run written before used these options).
+_GROUPS_ADDED = {"selection": {"name": "uniform"}}
 
 
 def _split_override(item: str) -> tuple[str, Any]:

@@ -55,6 +55,9 @@ RUN_CONFIG = "fedmm-config"
 ROSTER_QUERY = "fedmm-roster"
 #: ``roster`` reply: the node's stable key.
 NODE_KEY = "node-key"
+#: ``config`` of a QUERY (with ``RUN_CONFIG``): asks the node for its number of training
+#: examples too, answered as ``NUM_EXAMPLES`` in the ``roster`` reply (clustered sampling).
+ROSTER_EXAMPLES = "fedmm-roster-examples"
 #: ``metrics`` of a reply: examples the client trained / evaluated on (Flower's convention).
 NUM_EXAMPLES = "num-examples"
 

@@ -41,6 +41,12 @@ def method_label(cfg: dict[str, Any]) -> str:
         extras.append(f"PM {s.get('propeller_rounds', 0)} + DA {s.get('dynamic_alpha_rounds', 0)}")
     if obj != "ce":
         name = {"fedprox": "FedProx", "fedrl": "FedRL"}.get(obj, obj) + ("" if s["name"] == "fedavg" else f" ({name})")
+    sel = cfg.get("selection") or {"name": "uniform"}
+    if sel["name"] == "clustered":
+        clusamp = "CluSamp" + (" (FedMR port)" if sel.get("mode") == "fedmr_port" else "")
+        if sel.get("algorithm") == 1:
+            clusamp += " (Alg. 1)"
+        name = clusamp if name == "FedAvg" else f"{name} + {clusamp}"
     return name + (f" ({', '.join(extras)})" if extras else "")
 
 
@@ -66,6 +72,8 @@ def load_runs(sweep: Path, refused: list[tuple[Path, str]] | None = None) -> lis
         if run_dir.name == ".hydra":
             continue
         cfg = yaml.safe_load(config_file.read_text())
+        if isinstance(cfg, dict):
+            cfg.setdefault("selection", {"name": "uniform"})  # runs made before selection was a group
         summary_file = run_dir / SUMMARY_FILE
         summary = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
         status = summary.get("status", "unknown (no summary.json status)")

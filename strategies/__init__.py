@@ -17,10 +17,12 @@ from typing import Any
 
 from flwr.serverapp.strategy import Strategy
 
+from fedmm import protocol
 from fedmm.config import register_schema
 from fedmm.errors import ConfigError
-from strategies import fedavg, fedcross, fedexp, fedmr, fedmut, solo
+from strategies import clustered_sampling, fedavg, fedcross, fedexp, fedmr, fedmut, solo
 from strategies.base import RoundLoopStrategy
+from strategies.clustered_sampling import ClusteredSelector
 from strategies.fedavg import FedAvg
 from strategies.fedcross import FedCross
 from strategies.fedexp import FedExP
@@ -30,7 +32,7 @@ from strategies.multimodel import MultiModelStrategy
 from strategies.selection import ClientSelector, SeededRosterSelector
 
 __all__ = [
-    "STRATEGIES", "build_strategy", "ClientSelector", "FedAvg", "FedCross", "FedExP", "FedMR", "FedMut", "MultiModelStrategy",
+    "STRATEGIES", "build_strategy", "ClientSelector", "ClusteredSelector", "FedAvg", "FedCross", "FedExP", "FedMR", "FedMut", "MultiModelStrategy",
     "RoundLoopStrategy", "SeededRosterSelector",
 ]
 
@@ -69,10 +71,31 @@ def _checker(module: ModuleType):  # noqa: ANN202
 for _name, _module in STRATEGIES.items():
     register_schema("strategy", _name, _module.CONFIG_SCHEMA, _checker(_module))
 
+#: Strategies with one server model, whose aggregation a selector may weigh (clustered sampling).
+ONE_MODEL = ("fedavg", "fedexp")
+
+
+def _check_selection(values: Mapping[str, Any], cfg: Mapping[str, Any]) -> None:
+    if cfg["strategy"]["name"] not in ONE_MODEL:
+        raise ConfigError(
+            "selection", values["name"],
+            f"selection=uniform with strategy.name={cfg['strategy']['name']} (clustered sampling weighs the "
+            f"replies of one model: strategies {', '.join(ONE_MODEL)}, or presets built on them such as fedprox)",
+        )
+    clustered_sampling.check_config(values, cfg)
+
+
+register_schema("selection", "uniform", {})
+register_schema("selection", "clustered", clustered_sampling.CONFIG_SCHEMA, _check_selection)
+
 
 def build_strategy(cfg: Mapping[str, Any]) -> Strategy:
-    """The strategy selected by ``strategy.name``, waiting at most ``min_nodes_timeout`` for nodes."""
+    """The strategy selected by ``strategy.name`` with the client selector of ``selection``, waiting
+    at most ``min_nodes_timeout`` for nodes."""
     strategy = STRATEGIES[cfg["strategy"]["name"]].from_config(cfg)
+    if cfg.get("selection", {}).get("name", "uniform") == "clustered":
+        query = {protocol.ROSTER_EXAMPLES: 1, protocol.RUN_CONFIG: protocol.run_config_record(cfg)}
+        strategy.selector = clustered_sampling.build_selector(cfg, query)
     if isinstance(strategy.selector, SeededRosterSelector):
         strategy.selector.min_nodes_timeout = float(cfg["min_nodes_timeout"]) or None
     return strategy

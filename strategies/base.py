@@ -177,6 +177,16 @@ class RoundLoopStrategy(Strategy):
     def on_update(self, server_round: int, update: ClientUpdate) -> None:
         """Called with each accepted client update, before :meth:`aggregate`."""
 
+    def update_weights(self, updates: list[ClientUpdate]) -> list[float]:
+        """Weights of the updates in a one-model mean: the selector's where it decides them
+        (clustered sampling), else ``num-examples`` (equal weights when none reports examples)."""
+        weights = self.selector.aggregation_weights(updates)
+        if weights is None:
+            weights = [u.num_examples for u in updates]
+        if sum(weights) <= 0:
+            weights = [1.0] * len(updates)
+        return list(weights)
+
     def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> ModelDict | None:
         """Turn the round's accepted updates into the server's next models; return the global
         model (None: unchanged). Override this."""
@@ -216,6 +226,7 @@ class RoundLoopStrategy(Strategy):
             self.spec = protocol.array_spec(self.models[0])
         self.round_log = {}
         node_ids = self.selector.select(grid, server_round, self.clients_per_round)
+        self.round_log.update(self.selector.round_info)
         self.prepare_round(server_round, node_ids)
         encoded: dict[int, ArrayRecord] = {}  # encode each server model once per round
         messages = []
@@ -280,13 +291,16 @@ class RoundLoopStrategy(Strategy):
         for slot, metadata in enumerate(self._pending):
             if slot not in seen:
                 rejected.append(f"{self._where(metadata.dst_node_id, slot)}: no reply within the round timeout")
+        sent = len(self._pending)
         self._pending, self._slot_of = [], None
         updates.sort(key=lambda u: u.slot)
         self.last_replies = len(updates)
         self.last_rejections = rejected
-        log(INFO, "round %d: %d/%d replies accepted", server_round, len(updates), self.clients_per_round)
+        log(INFO, "round %d: %d/%d replies accepted", server_round, len(updates), sent)
         for reason in rejected:
             log(WARNING, "\t> rejected: %s", reason)
+        if updates and self.models:
+            self.selector.observe(server_round, updates, [self.models[self.model_for_slot(u.slot)] for u in updates])
         for update in updates:
             self.on_update(server_round, update)
         metrics = protocol.weighted_metrics(u.metrics for u in updates) if updates else {}
@@ -334,7 +348,7 @@ class RoundLoopStrategy(Strategy):
 
     def summary(self) -> None:
         """Log the strategy's settings."""
-        log(INFO, "\t├──> %s: %d clients per round, %s", type(self).__name__, self.clients_per_round, type(self.selector).__name__)
+        log(INFO, "\t├──> %s: %d clients per round, %s", type(self).__name__, self.clients_per_round, self.selector.describe())
         log(INFO, "\t└──> federated evaluation fraction: %.2f", self.fraction_evaluate)
 
     # ================================================================== the loop

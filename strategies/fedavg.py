@@ -37,9 +37,7 @@ class FedAvg(RoundLoopStrategy):
         """Weighted mean of the accepted models (equal weights when none reports examples)."""
         if not updates:
             return None
-        weights = [u.num_examples for u in updates]
-        if sum(weights) <= 0:
-            weights = [1.0] * len(updates)
+        weights = self.update_weights(updates)
         self.models = [weighted_mean_models([u.model for u in updates], weights)]
         return self.models[0]
 

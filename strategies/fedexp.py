@@ -75,12 +75,10 @@ class FedExP(FedAvg):
             return None
         assert self.models is not None
         current = self.models[0]
-        weights = [u.num_examples for u in updates]
-        if sum(weights) <= 0:
-            weights = [1.0] * len(updates)
+        weights = self.update_weights(updates)
         epsilon = self.epsilon_at(server_round)
         nxt, eta = fedexp_step(current, [u.model for u in updates], weights, epsilon, self.extrapolate_buffers)
-        self.round_log = {"eta_g": eta, "epsilon": epsilon}
+        self.round_log.update({"eta_g": eta, "epsilon": epsilon})
         self.models = [nxt]
         return nxt if server_round == 1 else average_iterates(nxt, current)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from logging import INFO, WARNING
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -17,6 +18,7 @@ from flwr.supercore import log
 
 from fedmm import protocol
 from fedmm.interrupt import raise_if_stopped
+from fedmm.protocol import ClientUpdate, ModelDict
 
 
 class NotEnoughNodes(RuntimeError):
@@ -27,7 +29,12 @@ class ClientSelector(ABC):
     """Chooses the nodes of a round.
 
     ``stream`` separates independent draws of the same round (0: training, 1: evaluation).
+    A selector may also see every round's accepted updates (:meth:`observe`) and decide the
+    aggregation weights of a one-model method (:meth:`aggregation_weights`).
     """
+
+    #: Numbers about the latest training draw, written into the round's row of ``metrics.jsonl``.
+    round_info: dict[str, float] = {}
 
     @abstractmethod
     def select(self, grid: Grid, server_round: int, count: int, stream: int = 0) -> list[int]:
@@ -37,6 +44,19 @@ class ClientSelector(ABC):
         """A name of the node that stays the same across runs where the selector knows one
         (default: its node id)."""
         return f"node:{node_id:020d}"
+
+    def observe(self, server_round: int, updates: Sequence[ClientUpdate], sent: Sequence[ModelDict]) -> None:
+        """Called with the round's accepted updates and the model each was sent, before the
+        method aggregates. Default: nothing."""
+
+    def aggregation_weights(self, updates: Sequence[ClientUpdate]) -> list[float] | None:
+        """Weights of the updates in a one-model method's mean, or None: the method's own
+        (``num-examples``). Default: None."""
+        return None
+
+    def describe(self) -> str:
+        """One line for the strategy's summary."""
+        return type(self).__name__
 
     def state_dict(self) -> dict[str, Any]:
         """What the selector must carry across a resume (nothing for a stateless one)."""
@@ -59,13 +79,24 @@ class SeededRosterSelector(ClientSelector):
     is reproducible only as far as the node ids are.
     """
 
-    def __init__(self, seed: int, timeout: float = 120.0, chunk: int = 100, min_nodes_timeout: float | None = None) -> None:
+    def __init__(
+        self,
+        seed: int,
+        timeout: float = 120.0,
+        chunk: int = 100,
+        min_nodes_timeout: float | None = None,
+        query_config: Mapping[str, Any] | None = None,
+    ) -> None:
         self.seed = seed
         self.timeout = timeout
         self.chunk = chunk
         #: Seconds to wait for enough nodes to connect (None: forever).
         self.min_nodes_timeout = min_nodes_timeout
+        #: Further entries of the roster query: with the run config and ``ROSTER_EXAMPLES`` a
+        #: fedmm ClientApp also reports its number of training examples.
+        self.query_config = dict(query_config or {})
         self._keys: dict[int, str] = {}
+        self._examples: dict[int, int] = {}
 
     def ordered_nodes(self, grid: Grid, minimum: int) -> list[int]:
         """Connected node ids ordered by their stable key; waits until ``minimum`` are connected
@@ -109,7 +140,8 @@ class SeededRosterSelector(ClientSelector):
 
     def _query_chunk(self, grid: Grid, node_ids: list[int]) -> tuple[dict[int, str], list[str]]:
         messages = [
-            protocol.server_message(protocol.QUERY, node_id, {protocol.ROSTER_QUERY: 1}) for node_id in node_ids
+            protocol.server_message(protocol.QUERY, node_id, {protocol.ROSTER_QUERY: 1, **self.query_config})
+            for node_id in node_ids
         ]
         keys: dict[int, str] = {}
         errors: list[str] = []
@@ -120,7 +152,13 @@ class SeededRosterSelector(ClientSelector):
             record = next(iter(reply.content.config_records.values()), {})
             if protocol.NODE_KEY in record:
                 keys[reply.metadata.src_node_id] = str(record[protocol.NODE_KEY])
+            if protocol.NUM_EXAMPLES in record:
+                self._examples[reply.metadata.src_node_id] = int(record[protocol.NUM_EXAMPLES])
         return keys, errors
+
+    def num_examples(self, node_id: int) -> int | None:
+        """The node's number of training examples, where it reported one in the roster query."""
+        return self._examples.get(node_id)
 
     def node_key(self, node_id: int) -> str:
         """The node's stable key from the roster query (its partition id or data path)."""

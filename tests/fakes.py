@@ -15,8 +15,13 @@ NodeFn = Callable[[Message, str], RecordDict]
 class FakeGrid:
     """Delivers messages to node functions; replies come back in shuffled order."""
 
-    def __init__(self, node_fn: NodeFn, num_nodes: int, seed: int = 0, drop: Iterable[str] = ()) -> None:
+    def __init__(
+        self, node_fn: NodeFn, num_nodes: int, seed: int = 0, drop: Iterable[str] = (), examples: dict[str, int] | None = None
+    ) -> None:
         self.node_fn = node_fn
+        # node key -> training examples reported to a roster query that asks for them
+        self.examples = examples or {}
+        self.queries: list[Message] = []
         rng = random.Random(seed)
         # random node ids, like Flower's: the key is what identifies a node's data
         self.keys = {rng.getrandbits(63): f"partition:{i:09d}" for i in range(num_nodes)}
@@ -46,7 +51,11 @@ class FakeGrid:
             msg.metadata.__dict__["_message_id"] = f"msg-{next(self._ids)}"
             key = self.keys[msg.metadata.dst_node_id]
             if msg.metadata.message_type == MessageType.QUERY:
-                replies.append(Message(RecordDict({"r": ConfigRecord({"node-key": key})}), reply_to=msg))
+                self.queries.append(msg)
+                roster = {"node-key": key}
+                if "fedmm-roster-examples" in msg.content["config"] and key in self.examples:
+                    roster["num-examples"] = self.examples[key]
+                replies.append(Message(RecordDict({"r": ConfigRecord(roster)}), reply_to=msg))
                 continue
             self.sent.append(msg)
             if key in self.drop:

@@ -88,8 +88,9 @@ def test_flwr_run_simulation_writes_metrics(tmp_path: Path) -> None:
 
 
 def test_multimodel_simulation_dispatch_stages_and_failing_client(tmp_path: Path) -> None:
-    """FedMR, FedCross, FedMut, FedExP, then SOLO, in one simulation: K = N = 3 so every node
-    trains every round; partition 0 always fails (a third of the clients: no model may be lost)."""
+    """FedMR, FedCross, FedMut, FedExP, SOLO, then CluSamp, in one simulation: K = N = 3 so every
+    node trains every round (CluSamp: K = 2 draws); partition 0 always fails (a third of the
+    clients: no model may be lost)."""
     from flwr.simulation import run_simulation
 
     from tests.sim_apps import failing_client_app, recording_server_app
@@ -104,6 +105,11 @@ def test_multimodel_simulation_dispatch_stages_and_failing_client(tmp_path: Path
         ]))
         for strategy in strategies
     ]
+    # clustered sampling: the nodes report their sizes in the roster query, two draws per round
+    cfgs.append(to_container(compose([
+        "strategy=clusamp", "num_rounds=3", "num_clients=3", "clients_per_round=2", "training.local_epochs=1",
+        "max_failed_rounds=0", f"output_dir={tmp_path / 'clusamp'}",
+    ])))
     log: list = []
     out: dict = {}
     run_simulation(
@@ -112,7 +118,14 @@ def test_multimodel_simulation_dispatch_stages_and_failing_client(tmp_path: Path
         num_supernodes=3,
         backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"logging_level": "ERROR"}},
     )
-    assert len(out["dirs"]) == 5
+    assert len(out["dirs"]) == 6
+    clusamp = out["dirs"].pop()
+    rows = read_metrics(clusamp)
+    assert json.loads((clusamp / "summary.json").read_text())["status"] == "completed"
+    assert [r["round"] for r in rows] == [0, 1, 2, 3]
+    for row in rows[1:]:  # one message per distinct drawn node; the failing node's draw brings nothing
+        assert 1 <= row["distinct_clients"] <= 2 and row["clusters"] >= 2 and row["replies"] <= row["distinct_clients"]
+    assert len(log) == 45 + sum(int(r["distinct_clients"]) for r in rows[1:])
     for index, run in enumerate(out["dirs"]):
         digests = defaultdict(list)
         for rnd, _, digest in log[9 * index : 9 * (index + 1)]:  # 3 rounds x 3 messages per run
