@@ -25,6 +25,9 @@ def test_run_config_becomes_hydra_overrides() -> None:
     assert cfg["strategy"]["name"] == "fedmr" and cfg["num_rounds"] == 7
     assert cfg["partition"]["alpha"] == 0.1 and cfg["training"]["lr"] == 0.05
     assert cfg["seed"] == 0  # empty value keeps the default
+    # the selection group is a run-config key of its own
+    cfg = compose_from_run_config({"strategy": "fedexp", "selection": "clustered_fedmr_repo"})
+    assert cfg["strategy"]["name"] == "fedexp" and cfg["selection"]["mode"] == "fedmr_port"
 
 
 @pytest.mark.parametrize(
@@ -110,3 +113,7 @@ def test_resume_config_continues_the_run_and_allows_only_safe_changes(tmp_path) 
     with pytest.raises(ConfigError) as info:
         resume_config(tmp_path / "missing")
     assert info.value.key == "resume"
+    # a run written before the selection group existed resumes with uniform selection
+    del cfg["selection"]
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
+    assert resume_config(tmp_path)["selection"] == {"name": "uniform"}

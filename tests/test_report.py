@@ -31,6 +31,9 @@ def test_method_labels() -> None:
     assert label("strategy=fedcross_accel") == "FedCross (PM 5 + DA 5)"
     assert label("strategy=fedrl") == "FedRL"
     assert label("strategy=fedmr", "objective=fedprox") == "FedProx (FedMR)"
+    assert label("strategy=clusamp") == "CluSamp" and label("strategy=clusamp_fedmr_repo") == "CluSamp (FedMR port)"
+    assert label("strategy=fedexp", "selection=clustered", "selection.algorithm=1") == "FedExP + CluSamp (Alg. 1)"
+    assert label("strategy=fedmut") == "FedMut" and label("strategy=solo") == "SOLO"
 
 
 def test_rounds_to_reach_and_summary(tmp_path: Path) -> None:
