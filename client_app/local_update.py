@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedmm.config import Choice, MapOf, Nullable, Number, register_schema
+from fedmm.config import Bool, Choice, MapOf, Nullable, Number, register_schema
 from fedmm.errors import ConfigError
 
 if TYPE_CHECKING:  # Flower only for the defaults below: the plugins train without it
@@ -175,8 +175,65 @@ class FedRL(LocalUpdate):
         return ce + 0.5 * self._mu * review, logits
 
 
+def asam_perturbation(
+    named: list[tuple[str, torch.Tensor, torch.Tensor | None]], rho: float, eta: float, adaptive: bool
+) -> list[torch.Tensor | None]:
+    """The (A)SAM ascent step e for each (name, weight, gradient) (Caldarola et al. 2022, as
+    their code): T = |w| + η for tensors whose name contains "weight" (BatchNorm's γ too) when
+    ``adaptive``, T = 1 otherwise (and for every tensor in SAM); n = ‖T⊙g‖₂ over all tensors
+    together + 1e-16; e = ρ·T²⊙g / n. None where a tensor has no gradient."""
+    scaled = []
+    for name, w, g in named:
+        if g is None:
+            scaled.append(None)
+            continue
+        t = (w.detach().abs() + eta) if adaptive and "weight" in name else None
+        scaled.append((t, g))
+    sq = [((t * g) if t is not None else g).pow(2).sum() for t, g in (x for x in scaled if x is not None)]
+    norm = torch.sqrt(torch.stack(sq).sum()) + 1e-16 if sq else torch.tensor(1.0)
+    out: list[torch.Tensor | None] = []
+    for item in scaled:
+        if item is None:
+            out.append(None)
+            continue
+        t, g = item
+        out.append(rho * (t * t * g if t is not None else g) / norm)
+    return out
+
+
+class ASAM(LocalUpdate):
+    """FedASAM / FedSAM's client step (Caldarola, Caputo, Ciccone, ECCV 2022): per batch, a
+    forward-backward at w, the ascent e (:func:`asam_perturbation`), a second forward-backward on
+    the same batch at w + e, w restored, then the base SGD step (momentum and weight decay act on
+    the second gradient). BatchNorm statistics are updated by both passes, as the reference code
+    does. The server is FedAvg."""
+
+    name = "asam"
+    schema = {"rho": Number(gt=0), "eta": Number(ge=0), "adaptive": Bool()}
+
+    def step(self, model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        loss, _ = self.loss(model, x, y)
+        loss.backward()
+        named = [(n, p, p.grad) for n, p in model.named_parameters() if p.requires_grad]
+        shifts = asam_perturbation(named, float(self.params["rho"]), float(self.params["eta"]), bool(self.params["adaptive"]))
+        with torch.no_grad():
+            for (_, p, _), e in zip(named, shifts):
+                if e is not None:
+                    p.add_(e)
+        optimizer.zero_grad(set_to_none=True)
+        perturbed, _ = self.loss(model, x, y)
+        perturbed.backward()
+        with torch.no_grad():
+            for (_, p, _), e in zip(named, shifts):
+                if e is not None:
+                    p.sub_(e)
+        optimizer.step()
+        return loss
+
+
 #: objective.name -> plugin class
-PLUGINS: dict[str, type[LocalUpdate]] = {cls.name: cls for cls in (LocalUpdate, FedProx, FedRL)}
+PLUGINS: dict[str, type[LocalUpdate]] = {cls.name: cls for cls in (LocalUpdate, FedProx, FedRL, ASAM)}
 
 for _cls in PLUGINS.values():
     register_schema("objective", _cls.name, _cls.schema, _cls.check_config)

@@ -40,7 +40,13 @@ def method_label(cfg: dict[str, Any]) -> str:
     if s.get("propeller_rounds") or s.get("dynamic_alpha_rounds"):
         extras.append(f"PM {s.get('propeller_rounds', 0)} + DA {s.get('dynamic_alpha_rounds', 0)}")
     if obj != "ce":
-        name = {"fedprox": "FedProx", "fedrl": "FedRL"}.get(obj, obj) + ("" if s["name"] == "fedavg" else f" ({name})")
+        o = cfg["objective"]
+        client = {"fedprox": "FedProx", "fedrl": "FedRL"}.get(obj, obj)
+        if obj == "asam":
+            client = "FedASAM" if o.get("adaptive") else "FedSAM"
+            if o.get("adaptive") and (o.get("rho"), o.get("eta")) != (0.7, 0.2):
+                client += f" (ρ {o.get('rho')}, η {o.get('eta')})"
+        name = client + ("" if s["name"] == "fedavg" else f" ({name})")
     sel = cfg.get("selection") or {"name": "uniform"}
     if sel["name"] == "clustered":
         clusamp = "CluSamp" + (" (FedMR port)" if sel.get("mode") == "fedmr_port" else "")

@@ -34,6 +34,8 @@ def test_method_labels() -> None:
     assert label("strategy=clusamp") == "CluSamp" and label("strategy=clusamp_fedmr_repo") == "CluSamp (FedMR port)"
     assert label("strategy=fedexp", "selection=clustered", "selection.algorithm=1") == "FedExP + CluSamp (Alg. 1)"
     assert label("strategy=fedmut") == "FedMut" and label("strategy=solo") == "SOLO"
+    assert label("strategy=fedasam") == "FedASAM" and label("strategy=fedsam") == "FedSAM"
+    assert label("strategy=fedasam_fedmr_repo") == "FedASAM (ρ 0.1, η 0.0)"
 
 
 def test_rounds_to_reach_and_summary(tmp_path: Path) -> None:
