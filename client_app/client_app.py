@@ -158,8 +158,10 @@ def train(msg: Message, context: Context) -> Message:
     metrics = train_model(
         model, data, update, cfg["training"], server_round, generator, resolve_device(cfg["training"]["device"])
     )
+    extra = update.end(model)
+    metrics.update(update.metrics())
     records = {protocol.ARRAYS: model_record(model), protocol.METRICS: MetricRecord(metrics)}
-    records.update(update.end(model))
+    records.update(extra)
     return protocol.reply_message(msg, records)
 
 

@@ -22,9 +22,11 @@ received, :meth:`step` for every batch, and :meth:`end` after the last one.
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -82,6 +84,14 @@ class LocalUpdate:
     def end(self, model: nn.Module) -> dict[str, Any]:
         """Extra records of the reply, by name (besides ``arrays`` and ``metrics``)."""
         return {}
+
+    def metrics(self) -> dict[str, float]:
+        """Further metrics of the reply (after :meth:`end`)."""
+        return {}
+
+    def optimizer_args(self, training: Mapping[str, Any], lr: float) -> dict[str, float]:
+        """Keyword arguments of the round's ``torch.optim.SGD`` (default: the ``training`` group's)."""
+        return {"lr": lr, "momentum": float(training["momentum"]), "weight_decay": float(training["weight_decay"])}
 
     # ------------------------------------------------------------------ config
     @classmethod
@@ -232,8 +242,121 @@ class ASAM(LocalUpdate):
         return loss
 
 
+class Scaffold(LocalUpdate):
+    """SCAFFOLD's client (Karimireddy et al., ICML 2020, Option II).
+
+    The train message carries the server's control variate c (``control``: one array per
+    trainable parameter); the node keeps its own c_i in ``Context.state`` (zeros at its first
+    round, and again after a SuperNode restart, which is logged). Every optimizer step uses the
+    corrected gradient g − c_i + c (with the ``scaffold`` record's data weight w_i: g − c_i + c/w_i),
+    clipped to ``clip_norm`` when set. After training, with K the optimizer steps taken and η the
+    learning rate of the round (``control_lr: used``) or the configured one (``initial``, as the
+    authors' lab code): c_i⁺ = c_i − c + (x − y)/(K·η); the reply carries Δc_i = c_i⁺ − c_i
+    (``control-delta``) besides the trained model y, and the node stores c_i⁺.
+
+    ``momentum`` replaces ``training.momentum`` for SCAFFOLD: Option II assumes plain SGD, and
+    with momentum β the displacement x − y is about 1/(1 − β) times larger than K·η times the
+    mean corrected gradient, so c_i comes out about that much too large (2× at β = 0.5).
+    """
+
+    name = "scaffold"
+    schema = {
+        "momentum": Number(ge=0, lt=1),
+        "clip_norm": Nullable(Number(gt=0), "null (no clipping) or a gradient norm > 0"),
+        "control_lr": Choice("used", "initial"),
+    }
+
+    @classmethod
+    def check_config(cls, params: Mapping[str, Any], cfg: Mapping[str, Any]) -> None:
+        """The client needs the server's control variate: strategy scaffold."""
+        if cfg["strategy"]["name"] != "scaffold":
+            raise ConfigError("objective", params["name"], f"an objective other than scaffold with strategy "
+                              f"{cfg['strategy']['name']} (SCAFFOLD's clients need strategy=scaffold)")
+
+    def optimizer_args(self, training: Mapping[str, Any], lr: float) -> dict[str, float]:
+        """SGD with SCAFFOLD's own ``momentum``."""
+        return {**super().optimizer_args(training, lr), "momentum": float(self.params["momentum"])}
+
+    def begin(self, model: nn.Module, server_round: int) -> None:
+        """Read c and the stored c_i; keep x."""
+        from fedmm import protocol
+
+        self.names = [n for n, p in model.named_parameters() if p.requires_grad]
+        if protocol.CONTROL not in self.content:
+            raise ValueError(f"the train message has no {protocol.CONTROL!r} record: run objective=scaffold with strategy=scaffold")
+        c = protocol.record_to_model(self.content[protocol.CONTROL])
+        if list(c) != self.names:
+            raise ValueError(f"the control variate's keys {list(c)[:3]}... do not match the model's trainable parameters {self.names[:3]}...")
+        if protocol.CONTROL_STATE in self.state:
+            ci = protocol.record_to_model(self.state[protocol.CONTROL_STATE])
+            age = int(self.state[protocol.CONTROL_AGE_STATE]["rounds"])
+        else:
+            ci = {n: np.zeros_like(v) for n, v in c.items()}
+            age = 0
+            if server_round > 1:
+                logging.getLogger("flwr").info(
+                    "SCAFFOLD: no c_i in this node's state at round %d: starting from zeros (its first "
+                    "participation, or the SuperNode restarted and lost it)", server_round)
+        weight = 1.0
+        if protocol.CONTROL_CONFIG in self.content:
+            weight = float(self.content[protocol.CONTROL_CONFIG][protocol.CONTROL_WEIGHT])
+        device = next(model.parameters()).device
+        self.c = {n: torch.from_numpy(np.array(v)).to(device) for n, v in c.items()}
+        self.ci = {n: torch.from_numpy(np.array(v)).to(device) for n, v in ci.items()}
+        self.correction = [self.c[n] / weight - self.ci[n] for n in self.names]
+        self.x = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        self.age = age
+        self.steps, self.lr_used = 0, None
+
+    def step(self, model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """One SGD step on the corrected gradient."""
+        optimizer.zero_grad(set_to_none=True)
+        loss, _ = self.loss(model, x, y)
+        loss.backward()
+        params = [p for p in model.parameters() if p.requires_grad]
+        for p, corr in zip(params, self.correction):
+            if p.grad is None:
+                p.grad = corr.clone()
+            else:
+                p.grad.add_(corr)
+        if self.params.get("clip_norm"):
+            torch.nn.utils.clip_grad_norm_(params, float(self.params["clip_norm"]))
+        optimizer.step()
+        self.steps += 1
+        self.lr_used = float(optimizer.param_groups[0]["lr"])
+        return loss
+
+    def end(self, model: nn.Module) -> dict[str, Any]:
+        """c_i⁺ into the node's state, Δc_i into the reply."""
+        from flwr.app import MetricRecord
+
+        from fedmm import protocol
+
+        if self.steps == 0:
+            raise ValueError("SCAFFOLD: no optimizer step was taken (no training data?)")
+        lr = self.lr_used if self.params["control_lr"] == "used" else float(self.cfg["training"]["lr"])
+        scale = 1.0 / (self.steps * lr)
+        new, delta = {}, {}
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n not in self.x:
+                    continue
+                ci_new = self.ci[n] - self.c[n] + (self.x[n] - p.detach()) * scale
+                new[n] = ci_new.cpu().numpy()
+                delta[n] = (ci_new - self.ci[n]).cpu().numpy()
+        self.state[protocol.CONTROL_STATE] = protocol.model_to_record(new)
+        self.state[protocol.CONTROL_AGE_STATE] = MetricRecord({"rounds": self.age + 1})
+        return {protocol.CONTROL_DELTA: protocol.model_to_record(delta)}
+
+    def metrics(self) -> dict[str, float]:
+        """How many rounds this node's c_i has been trained for (1: first, or state lost)."""
+        from fedmm import protocol
+
+        return {protocol.CONTROL_AGE: float(self.age + 1)}
+
+
 #: objective.name -> plugin class
-PLUGINS: dict[str, type[LocalUpdate]] = {cls.name: cls for cls in (LocalUpdate, FedProx, FedRL, ASAM)}
+PLUGINS: dict[str, type[LocalUpdate]] = {cls.name: cls for cls in (LocalUpdate, FedProx, FedRL, ASAM, Scaffold)}
 
 for _cls in PLUGINS.values():
     register_schema("objective", _cls.name, _cls.schema, _cls.check_config)

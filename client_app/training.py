@@ -40,12 +40,7 @@ def train_epochs(
     start = time.perf_counter()
     model.to(device).train()
     update.begin(model, server_round)
-    optimizer = torch.optim.SGD(
-        model.parameters(),
-        lr=round_lr(training, server_round),
-        momentum=float(training["momentum"]),
-        weight_decay=float(training["weight_decay"]),
-    )
+    optimizer = torch.optim.SGD(model.parameters(), **update.optimizer_args(training, round_lr(training, server_round)))
     total_loss, total_seen = 0.0, 0
     for _ in range(int(training["local_epochs"])):
         for x, y in batches(data, int(training["batch_size"]), shuffle=True, generator=generator, device=device):

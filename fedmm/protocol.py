@@ -44,6 +44,22 @@ METRICS = "metrics"
 #: ConfigRecord of a roster reply.
 ROSTER = "roster"
 
+#: ArrayRecord of a SCAFFOLD train message: the server's control variate c (trainable parameters).
+CONTROL = "control"
+#: ArrayRecord of a SCAFFOLD train reply: Δc_i = c_i⁺ − c_i.
+CONTROL_DELTA = "control-delta"
+#: ``Context.state`` ArrayRecord of a SCAFFOLD client: its control variate c_i.
+CONTROL_STATE = "scaffold-c-i"
+#: ``Context.state`` MetricRecord of a SCAFFOLD client: rounds its c_i has been trained for.
+CONTROL_AGE_STATE = "scaffold-age"
+#: ConfigRecord of a SCAFFOLD train message (``scaffold_lab``): the client's data weight.
+CONTROL_CONFIG = "scaffold"
+#: ``scaffold`` record: w_i = N·n_i/Σn, the client's correction is c/w_i − c_i.
+CONTROL_WEIGHT = "data-weight"
+#: ``metrics`` of a SCAFFOLD reply: rounds the client's c_i has been trained for, this one included
+#: (1 after a first participation, or after a SuperNode restart lost its state).
+CONTROL_AGE = "control-rounds"
+
 # ----------------------------------------------------------------------------- config keys
 #: ``config``: the round being run (Flower's convention).
 SERVER_ROUND = "server-round"

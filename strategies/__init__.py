@@ -20,7 +20,7 @@ from flwr.serverapp.strategy import Strategy
 from fedmm import protocol
 from fedmm.config import register_schema
 from fedmm.errors import ConfigError
-from strategies import clustered_sampling, fedavg, fedcross, fedexp, fedmr, fedmut, solo
+from strategies import clustered_sampling, fedavg, fedcross, fedexp, fedmr, fedmut, scaffold, solo
 from strategies.base import RoundLoopStrategy
 from strategies.clustered_sampling import ClusteredSelector
 from strategies.fedavg import FedAvg
@@ -29,11 +29,12 @@ from strategies.fedexp import FedExP
 from strategies.fedmr import FedMR
 from strategies.fedmut import FedMut
 from strategies.multimodel import MultiModelStrategy
+from strategies.scaffold import Scaffold
 from strategies.selection import ClientSelector, SeededRosterSelector
 
 __all__ = [
     "STRATEGIES", "build_strategy", "ClientSelector", "ClusteredSelector", "FedAvg", "FedCross", "FedExP", "FedMR", "FedMut", "MultiModelStrategy",
-    "RoundLoopStrategy", "SeededRosterSelector",
+    "RoundLoopStrategy", "Scaffold", "SeededRosterSelector",
 ]
 
 #: strategy.name -> module with ``from_config`` and ``CONFIG_SCHEMA``.
@@ -44,6 +45,7 @@ STRATEGIES: dict[str, ModuleType] = {
     "fedmut": fedmut,
     "fedexp": fedexp,
     "solo": solo,
+    "scaffold": scaffold,
 }
 
 def check_federated_evaluation(values: Mapping[str, Any], cfg: Mapping[str, Any]) -> None:

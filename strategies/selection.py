@@ -160,6 +160,10 @@ class SeededRosterSelector(ClientSelector):
         """The node's number of training examples, where it reported one in the roster query."""
         return self._examples.get(node_id)
 
+    def all_num_examples(self) -> dict[int, int]:
+        """Node id -> training examples, of every node that reported its size."""
+        return dict(self._examples)
+
     def node_key(self, node_id: int) -> str:
         """The node's stable key from the roster query (its partition id or data path)."""
         return self._keys.get(node_id) or super().node_key(node_id)

@@ -88,16 +88,16 @@ def test_flwr_run_simulation_writes_metrics(tmp_path: Path) -> None:
 
 
 def test_multimodel_simulation_dispatch_stages_and_failing_client(tmp_path: Path) -> None:
-    """FedMR, FedCross, FedMut, FedExP, SOLO, then CluSamp, in one simulation: K = N = 3 so every
+    """FedMR, FedCross, FedMut, FedExP, SOLO, SCAFFOLD, then CluSamp, in one simulation: K = N = 3 so every
     node trains every round (CluSamp: K = 2 draws); partition 0 always fails (a third of the
     clients: no model may be lost)."""
     from flwr.simulation import run_simulation
 
     from tests.sim_apps import failing_client_app, recording_server_app
 
-    strategies = ["fedmr", "fedcross", "fedmut", "fedexp", "solo"]
+    strategies = ["fedmr", "fedcross", "fedmut", "fedexp", "solo", "scaffold"]
     staged = {"fedmr": ["strategy.first_stage_rounds=1"], "fedcross": ["strategy.first_stage_rounds=1"], "fedmut": [],
-              "fedexp": [], "solo": []}
+              "fedexp": [], "solo": [], "scaffold": []}
     cfgs = [
         to_container(compose([
             f"strategy={strategy}", *staged[strategy], "num_rounds=3", "num_clients=3",
@@ -118,14 +118,14 @@ def test_multimodel_simulation_dispatch_stages_and_failing_client(tmp_path: Path
         num_supernodes=3,
         backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"logging_level": "ERROR"}},
     )
-    assert len(out["dirs"]) == 6
+    assert len(out["dirs"]) == 7
     clusamp = out["dirs"].pop()
     rows = read_metrics(clusamp)
     assert json.loads((clusamp / "summary.json").read_text())["status"] == "completed"
     assert [r["round"] for r in rows] == [0, 1, 2, 3]
     for row in rows[1:]:  # one message per distinct drawn node; the failing node's draw brings nothing
         assert 1 <= row["distinct_clients"] <= 2 and row["clusters"] >= 2 and row["replies"] <= row["distinct_clients"]
-    assert len(log) == 45 + sum(int(r["distinct_clients"]) for r in rows[1:])
+    assert len(log) == 9 * len(strategies) + sum(int(r["distinct_clients"]) for r in rows[1:])
     for index, run in enumerate(out["dirs"]):
         digests = defaultdict(list)
         for rnd, _, digest in log[9 * index : 9 * (index + 1)]:  # 3 rounds x 3 messages per run
@@ -138,6 +138,14 @@ def test_multimodel_simulation_dispatch_stages_and_failing_client(tmp_path: Path
             assert len(set(digests[2])) == 1 and len(set(digests[3])) == 1 and digests[2][0] != digests[1][0]
             rows = read_metrics(run)
             assert all(r["eta_g"] >= 1.0 for r in rows[1:]) and [r.get("replies") for r in rows[1:]] == [2, 2, 2]
+            continue
+        elif strategies[index] == "scaffold":  # one model; c down, Δc up: 2x the bytes of FedExP's rounds
+            assert len(set(digests[2])) == 1 and digests[2][0] != digests[1][0]
+            rows, plain = read_metrics(run), read_metrics(out["dirs"][strategies.index("fedexp")])
+            assert [r["bytes_sent"] for r in rows] == [2 * r["bytes_sent"] for r in plain]
+            assert [r["bytes_received"] for r in rows] == [2 * r["bytes_received"] for r in plain]
+            # the nodes kept their c_i across rounds in Context.state: round r's replies had trained r times
+            assert [r["control_rounds"] for r in rows[1:]] == [1.0, 2.0, 3.0]
             continue
         elif strategies[index] == "solo":  # each node gets its own model back: the failing one keeps the initial
             assert len(set(digests[2])) == 3 and digests[1][0] in digests[2]

@@ -1,0 +1,205 @@
+"""SCAFFOLD (Karimireddy et al., ICML 2020): the server side of Option II.
+
+The server keeps the model x and the control variate c (one array per trainable parameter,
+zeros at the start). Every selected client gets x (``arrays``) and c (``control``); it answers
+with its trained model y_i (``arrays``: Δy_i = y_i − x is computed here, the bytes are the same)
+and Δc_i (``control-delta``), and keeps its own c_i (objective ``scaffold``, client side). Then
+
+    x ← x + η_g · (1/|S|) Σ_i Δy_i        (trainable parameters; ``weighting: examples``: Σ p_i Δy_i)
+    c ← c + (1/N) Σ_i Δc_i                (N = num_clients, not |S|: c stays the mean of all c_i)
+
+BatchNorm buffers (and any other non-trainable entry) are the example-weighted mean of the
+replies, as FedAvg. Traffic: model + c down, model + Δc up: 2× FedAvg both ways for a model
+without buffers.
+
+``weighting: examples`` is the authors' lab variant (``strategy=scaffold_lab``): the model is the
+sample-size weighted mean, each client's data weight w_i = N·n_i/Σn (sizes from the roster query)
+goes to the client, which corrects with c/w_i − c_i, and c ← c + (1/N) Σ_i w_i·Δc_i.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from logging import INFO
+from typing import Any
+
+import numpy as np
+from flwr.app import ConfigRecord
+from flwr.supercore import log
+
+from fedmm import protocol
+from fedmm.config import Choice, Number
+from fedmm.protocol import ClientUpdate, ModelDict
+from strategies.aggregation import weighted_mean_models
+from strategies.extrapolation import is_buffer
+from strategies.fedavg import FedAvg
+from strategies.selection import ClientSelector, SeededRosterSelector
+
+#: Keys of the ``strategy`` config group of SCAFFOLD (conf/strategy/scaffold.yaml).
+CONFIG_SCHEMA = {
+    "fraction_evaluate": Number(ge=0.0, le=1.0),
+    "server_lr": Number(gt=0),
+    "weighting": Choice("uniform", "examples"),
+}
+
+
+def check_config(values: Mapping[str, Any], cfg: Mapping[str, Any]) -> None:
+    """The server's control variate is useless without the client plugin, and vice versa."""
+    from fedmm.errors import ConfigError
+
+    if cfg["objective"]["name"] != "scaffold":
+        raise ConfigError("objective", cfg["objective"]["name"], "scaffold or scaffold_lab with strategy scaffold "
+                          "(the clients must apply and update the control variates)")
+
+
+def scaffold_step(
+    x: Mapping[str, np.ndarray],
+    c: Mapping[str, np.ndarray],
+    models: list[Mapping[str, np.ndarray]],
+    deltas: list[Mapping[str, np.ndarray]],
+    examples: list[float],
+    num_clients: int,
+    server_lr: float = 1.0,
+    model_weights: list[float] | None = None,
+    control_weights: list[float] | None = None,
+) -> tuple[ModelDict, ModelDict]:
+    """(x⁺, c⁺) from the trained models y_i and their Δc_i.
+
+    Trainable entries: x + η_g·Σ_i q_i(y_i − x) with q_i = ``model_weights`` normalised (None:
+    1/|S|); non-trainable entries: the ``examples``-weighted mean. c⁺ = c + (1/N)·Σ_i v_i·Δc_i with
+    v_i = ``control_weights`` (None: 1).
+    """
+    q = np.full(len(models), 1.0 / len(models)) if model_weights is None else np.asarray(model_weights, float) / np.sum(model_weights)
+    buffers = weighted_mean_models(models, examples if sum(examples) > 0 else [1.0] * len(models))
+    out: ModelDict = {}
+    for key, value in x.items():
+        if is_buffer(key, value):
+            out[key] = buffers[key]
+            continue
+        step = np.zeros(value.shape, dtype=np.float64)
+        for weight, model in zip(q, models):
+            step += weight * (model[key].astype(np.float64) - value)
+        out[key] = (value + server_lr * step).astype(value.dtype)
+    v = [1.0] * len(deltas) if control_weights is None else list(control_weights)
+    new_c: ModelDict = {}
+    for key, value in c.items():
+        acc = np.zeros(value.shape, dtype=np.float64)
+        for weight, delta in zip(v, deltas):
+            acc += weight * delta[key]
+        new_c[key] = (value + acc / num_clients).astype(value.dtype)
+    return out, new_c
+
+
+class Scaffold(FedAvg):
+    """SCAFFOLD's server on the one-model round loop.
+
+    Parameters
+    ----------
+    clients_per_round, seed, fraction_evaluate, selector
+        See :class:`~strategies.base.RoundLoopStrategy`.
+    num_clients : int
+        N, the denominator of the control-variate update.
+    server_lr : float
+        η_g (1 in every reference implementation).
+    weighting : str
+        ``uniform`` (the paper) or ``examples`` (the authors' lab code; needs the clients' sizes
+        from the roster query, which :func:`from_config` asks for).
+    """
+
+    def __init__(
+        self,
+        clients_per_round: int,
+        seed: int,
+        num_clients: int,
+        fraction_evaluate: float = 0.0,
+        server_lr: float = 1.0,
+        weighting: str = "uniform",
+        selector: ClientSelector | None = None,
+    ) -> None:
+        super().__init__(clients_per_round, seed, fraction_evaluate, selector)
+        if num_clients < 1:
+            raise ValueError(f"num_clients must be >= 1, got {num_clients}")
+        self.num_clients = int(num_clients)
+        self.server_lr = float(server_lr)
+        self.weighting = weighting
+        self.control: ModelDict | None = None
+        self._encoded_control: Any = None
+        self._data_weights: dict[int, float] = {}
+        self._slot_nodes: list[int] = []
+
+    def initialize(self, initial: ModelDict) -> None:
+        """x = the initial model, c = 0 over its trainable entries."""
+        super().initialize(initial)
+        self.control = {k: np.zeros_like(v) for k, v in initial.items() if not is_buffer(k, v)}
+
+    def prepare_round(self, server_round: int, node_ids: list[int]) -> None:
+        """Encode c once for the round; ``examples`` weighting: each node's w_i = N·n_i/Σn."""
+        assert self.control is not None
+        self._encoded_control = protocol.model_to_record(self.control)
+        self._slot_nodes = list(node_ids)
+        if self.weighting == "examples":
+            sizes = self.selector.all_num_examples() if isinstance(self.selector, SeededRosterSelector) else {}
+            missing = [n for n in node_ids if n not in sizes]
+            if missing:
+                raise RuntimeError(f"SCAFFOLD weighting=examples needs every client's size from the roster query; "
+                                   f"node {missing[0]} reported none (use weighting=uniform)")
+            total = float(sum(sizes.values()))
+            self._data_weights = {n: len(sizes) * sizes[n] / total for n in node_ids}
+
+    def extra_records(self, server_round: int, slot: int) -> dict[str, Any]:
+        """c (and, ``examples`` weighting, the node's data weight)."""
+        records: dict[str, Any] = {protocol.CONTROL: self._encoded_control}
+        if self.weighting == "examples":
+            records[protocol.CONTROL_CONFIG] = ConfigRecord({protocol.CONTROL_WEIGHT: self._data_weights[self._slot_nodes[slot]]})
+        return records
+
+    def reply_extras(self, server_round: int) -> dict[str, protocol.ArraySpec]:
+        """Every reply carries Δc_i, shaped like c."""
+        assert self.control is not None
+        return {protocol.CONTROL_DELTA: protocol.array_spec(self.control)}
+
+    def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> ModelDict | None:
+        """x and c as in the module docstring."""
+        if not updates:
+            return None
+        assert self.models is not None and self.control is not None
+        examples = [u.num_examples for u in updates]
+        lab = self.weighting == "examples"
+        x, c = scaffold_step(
+            self.models[0], self.control, [u.model for u in updates], [u.extras[protocol.CONTROL_DELTA] for u in updates],
+            examples, self.num_clients, self.server_lr,
+            model_weights=examples if lab else None,
+            control_weights=[self._data_weights[u.node_id] for u in updates] if lab else None,
+        )
+        self.models, self.control = [x], c
+        ages = [u.metrics.get(protocol.CONTROL_AGE) for u in updates]
+        if all(a is not None for a in ages):
+            self.round_log["control_rounds"] = float(np.mean(ages))
+        return x
+
+    def state_dict(self) -> dict[str, Any]:
+        """The models, RNG, selector and c (the clients' c_i live on the nodes)."""
+        return {**super().state_dict(), "control": self.control}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        super().load_state_dict(state)
+        self.control = state["control"]
+
+    def summary(self) -> None:
+        """Log the strategy's settings."""
+        super().summary()
+        log(INFO, "\t    server_lr=%g weighting=%s N=%d", self.server_lr, self.weighting, self.num_clients)
+
+
+def from_config(cfg: Mapping[str, Any]) -> Scaffold:
+    """Build SCAFFOLD from the resolved run config."""
+    s = cfg["strategy"]
+    selector = None
+    if s["weighting"] == "examples":
+        selector = SeededRosterSelector(
+            cfg["seed"], query_config={protocol.ROSTER_EXAMPLES: 1, protocol.RUN_CONFIG: protocol.run_config_record(cfg)})
+    return Scaffold(
+        clients_per_round=cfg["clients_per_round"], seed=cfg["seed"], num_clients=cfg["num_clients"],
+        fraction_evaluate=s["fraction_evaluate"], server_lr=s["server_lr"], weighting=s["weighting"], selector=selector,
+    )
