@@ -77,9 +77,9 @@ def local_data(cfg: Mapping[str, Any], context: Context, part: str = "train") ->
 
 
 @functools.lru_cache(maxsize=4)
-def _model(name: str, spec: InputSpec) -> LayeredModel:
+def _model(name: str, spec: InputSpec, projection_dim: int | None) -> LayeredModel:
     # Built once per worker process; every message loads its own weights into it.
-    return build_model(name, spec)
+    return build_model(name, spec, projection_dim)
 
 
 def model_from_message(cfg: Mapping[str, Any], msg: Message) -> LayeredModel:
@@ -88,7 +88,7 @@ def model_from_message(cfg: Mapping[str, Any], msg: Message) -> LayeredModel:
     The arrays are read as views of the message's bytes and copied once, into the model
     (``load_state_dict`` copies; nothing writes into the views).
     """
-    model = _model(cfg["model"]["name"], input_spec(cfg["dataset"]))
+    model = _model(cfg["model"]["name"], input_spec(cfg["dataset"]), cfg["model"].get("projection_dim"))
     arrays = protocol.record_to_model(msg.content[protocol.ARRAYS], copy=False)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
@@ -155,6 +155,7 @@ def train(msg: Message, context: Context) -> Message:
     generator = torch.Generator().manual_seed(seed)  # batch order
     torch.manual_seed(seed)  # dropout (VGG-16) draws from the global generator
     update = build_local_update(cfg, context.state, msg.content)
+    update.node = int(context.node_config.get("partition-id", context.node_id % (2**31)))
     metrics = train_model(
         model, data, update, cfg["training"], server_round, generator, resolve_device(cfg["training"]["device"])
     )

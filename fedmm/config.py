@@ -475,6 +475,8 @@ def resume_config(run_dir: str | os.PathLike, changes: Mapping[str, Any] | Seque
     if isinstance(cfg, dict):
         for key, default in _GROUPS_ADDED.items():
             cfg.setdefault(key, copy.deepcopy(default))
+        if isinstance(cfg.get("model"), dict):
+            cfg["model"].setdefault("projection_dim", None)  # added after runs were made
     items = list(changes.items()) if isinstance(changes, Mapping) else [_split_override(o) for o in changes]
     for key, value in items:
         if key.split(".", 1)[0] not in RESUME_CHANGEABLE:

@@ -60,6 +60,19 @@ CONTROL_WEIGHT = "data-weight"
 #: (1 after a first participation, or after a SuperNode restart lost its state).
 CONTROL_AGE = "control-rounds"
 
+#: ``Context.state`` ArrayRecord of a MOON client: the model it finished its last round with.
+MOON_PREVIOUS = "moon-previous-model"
+#: ``Context.state`` MetricRecord of a MOON client: rounds it has trained with MOON.
+MOON_AGE_STATE = "moon-age"
+#: ``metrics`` of a MOON reply: the mean contrastive loss of the round.
+MOON_CONTRASTIVE = "moon-contrastive"
+#: ``metrics`` of a MOON reply: rounds the node has trained, this one included (1: first, or state lost).
+MOON_AGE = "moon-rounds"
+
+#: Reply metrics about a client's own state that the server logs per round (mean over the
+#: accepted replies, in ``metrics.jsonl`` with ``_`` for ``-``).
+LOGGED_REPLY_METRICS = (CONTROL_AGE, MOON_AGE, MOON_CONTRASTIVE)
+
 # ----------------------------------------------------------------------------- config keys
 #: ``config``: the round being run (Flower's convention).
 SERVER_ROUND = "server-round"

@@ -28,7 +28,7 @@ from fedmm.errors import ConfigError
 from fedmm.evaluation import evaluate as evaluate_model
 from fedmm.evaluation import resolve_device
 from fedmm.interrupt import raise_if_stopped
-from fedmm.models import build_model
+from fedmm.models import model_for
 from server_app.checkpoint import load_checkpoint, restore_rng_states, rng_states, save_checkpoint
 from server_app.recording import RunLock, RunRecorder, create_run_dir
 from strategies import build_strategy
@@ -184,7 +184,7 @@ def _run_locked(grid: Grid, cfg: dict[str, Any], run_dir: Path, checkpoint: dict
             recorder.write_json("label_histograms.json", hist.tolist())
             plot_label_histograms(hist, run_dir / "label_histograms.png")
 
-        model = build_model(cfg["model"]["name"], input_spec(d))
+        model = model_for(cfg, input_spec(d))
         strategy = build_strategy(cfg)
         device = resolve_device(cfg["training"]["device"])
         eval_every = int(cfg["eval_every"])

@@ -299,6 +299,10 @@ class RoundLoopStrategy(Strategy):
         log(INFO, "round %d: %d/%d replies accepted", server_round, len(updates), sent)
         for reason in rejected:
             log(WARNING, "\t> rejected: %s", reason)
+        for key in protocol.LOGGED_REPLY_METRICS:
+            values = [u.metrics[key] for u in updates if key in u.metrics]
+            if values:
+                self.round_log[key.replace("-", "_")] = float(np.mean(values))
         if updates and self.models:
             self.selector.observe(server_round, updates, [self.models[self.model_for_slot(u.slot)] for u in updates])
         for update in updates:

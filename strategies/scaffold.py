@@ -172,9 +172,6 @@ class Scaffold(FedAvg):
             control_weights=[self._data_weights[u.node_id] for u in updates] if lab else None,
         )
         self.models, self.control = [x], c
-        ages = [u.metrics.get(protocol.CONTROL_AGE) for u in updates]
-        if all(a is not None for a in ages):
-            self.round_log["control_rounds"] = float(np.mean(ages))
         return x
 
     def state_dict(self) -> dict[str, Any]:

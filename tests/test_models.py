@@ -237,6 +237,26 @@ def test_model_config_files() -> None:
     names = []
     for path in sorted(conf_dir.glob("*.yaml")):
         cfg = yaml.safe_load(path.read_text())
-        assert cfg == {"name": path.stem}
+        assert cfg == {"name": path.stem, "projection_dim": "${oc.select:objective.projection_dim,null}"}
         names.append(cfg["name"])
     assert sorted(names) == sorted(MODEL_NAMES)
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_latent_and_classifier_split_the_forward_pass_and_the_projection_head(name: str) -> None:
+    from fedmm.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model(name, image(3, 10, 32)).eval()
+    x = torch.randn(2, 3, 32, 32)
+    z = model.latent(x)
+    assert z.shape == (2, model.latent_dim)
+    assert torch.allclose(model.classify(z), model(x), atol=1e-5)
+    head = build_model(name, image(3, 10, 32), projection_dim=256).eval()
+    assert head.num_layers == model.num_layers + 2 and head.latent_dim == 256
+    assert head.latent(x).shape == (2, 256) and head(x).shape == (2, 10)
+    assert torch.allclose(head.classify(head.latent(x)), head(x), atol=1e-5)
+    # the projection is Linear(d, d) -> ReLU -> Linear(d, 256), the classifier Linear(256, C)
+    linears = [m for m in head.layers[-3:].modules() if isinstance(m, torch.nn.Linear)]
+    assert [(m.in_features, m.out_features) for m in linears] == [(model.latent_dim, model.latent_dim),
+                                                                  (model.latent_dim, 256), (256, 10)]

@@ -17,16 +17,17 @@ build_model(name, spec)
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from fedmm.data.spec import InputSpec
 from fedmm.errors import ConfigError
 from fedmm.models.cnn import _build_cnn, _build_lenet
-from fedmm.models.layered import LayeredModel
+from fedmm.models.layered import LayeredModel, with_projection_head
 from fedmm.models.resnet import PreActBottleneck, _build_resnet20, _build_resnet20_preact
 from fedmm.models.vgg import _build_vgg16
 
-__all__ = ["MODEL_NAMES", "LayeredModel", "PreActBottleneck", "build_model"]
+__all__ = ["MODEL_NAMES", "LayeredModel", "PreActBottleneck", "build_model", "model_for", "with_projection_head"]
 
 #: name -> (builder(in_channels, num_classes, image_size), input kinds it accepts)
 _BUILDERS: dict[str, tuple[Callable[[int, int, int], LayeredModel], tuple[str, ...]]] = {
@@ -46,7 +47,7 @@ def _check_positive(key: str, value: object) -> int:
     return value
 
 
-def build_model(name: str, spec: InputSpec) -> LayeredModel:
+def build_model(name: str, spec: InputSpec, projection_dim: int | None = None) -> LayeredModel:
     """Build the model called ``name`` for the input described by ``spec``.
 
     Parameters
@@ -55,6 +56,9 @@ def build_model(name: str, spec: InputSpec) -> LayeredModel:
         One of :data:`MODEL_NAMES`.
     spec : InputSpec
         From :func:`fedmm.data.input_spec`: the input kind and shape and the number of classes.
+    projection_dim : int, optional
+        ``model.projection_dim``: replace the classifier by MOON's projection head of this
+        width and a classifier on it (:func:`~fedmm.models.layered.with_projection_head`).
 
     Returns
     -------
@@ -78,14 +82,23 @@ def build_model(name: str, spec: InputSpec) -> LayeredModel:
     in_channels = _check_positive("dataset.in_channels", spec.in_channels)
     num_classes = _check_positive("dataset.num_classes", spec.num_classes)
     image_size = _check_positive("dataset.image_size", spec.image_size)
-    return builder(in_channels, num_classes, image_size)
+    model = builder(in_channels, num_classes, image_size)
+    if projection_dim is not None:
+        model = with_projection_head(model, _check_positive("model.projection_dim", projection_dim))
+    return model
+
+
+def model_for(cfg: Mapping[str, Any], spec: InputSpec) -> LayeredModel:
+    """The model of a run config (``model.name`` and its options)."""
+    return build_model(cfg["model"]["name"], spec, cfg["model"].get("projection_dim"))
 
 
 def _register_schemas() -> None:
-    from fedmm.config import register_schema
+    from fedmm.config import Int, Nullable, register_schema
 
+    schema = {"projection_dim": Nullable(Int(min=1), "null (no projection head) or its width, an integer >= 1")}
     for model_name in MODEL_NAMES:
-        register_schema("model", model_name, {})
+        register_schema("model", model_name, schema)
 
 
 _register_schemas()

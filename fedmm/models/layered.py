@@ -73,6 +73,52 @@ class LayeredModel(nn.Module):
         return x
 
 
+    # ----------------------------------------------------------------- latent / classifier
+    def _classifier(self) -> nn.Linear:
+        last = self.layers[-1]
+        final = last[-1] if isinstance(last, nn.Sequential) and len(last) else last
+        if not isinstance(final, nn.Linear):
+            raise TypeError(f"the last block of this model does not end with nn.Linear ({type(final).__name__})")
+        return final
+
+    @property
+    def latent_dim(self) -> int:
+        """Size of the latent vector: the input of the final linear classifier."""
+        return int(self._classifier().in_features)
+
+    def latent(self, x: torch.Tensor) -> torch.Tensor:
+        """The input of the final linear classifier (MOON's representation, FedGen's latent)."""
+        for layer in self.layers[:-1]:
+            x = layer(x)
+        last = self.layers[-1]
+        if isinstance(last, nn.Sequential):
+            for module in list(last)[:-1]:
+                x = module(x)
+        return x
+
+    def classify(self, z: torch.Tensor) -> torch.Tensor:
+        """The classifier head alone: logits from a latent vector (``forward(x) == classify(latent(x))``)."""
+        return self._classifier()(z)
+
+
+def with_projection_head(model: LayeredModel, out_dim: int) -> LayeredModel:
+    """MOON's model (Li et al., CVPR 2021): the network's classifier replaced by a projection
+    head Linear(d, d) → ReLU → Linear(d, out_dim) and a classifier Linear(out_dim, C) on the
+    projection. With d the latent size, the last block becomes three:
+    [what preceded the classifier] + Linear(d, d) + ReLU | Linear(d, out_dim) | Linear(out_dim, C);
+    the representation (``latent``) is then the projection, ``out_dim`` wide."""
+    classifier = model._classifier()
+    d, classes = classifier.in_features, classifier.out_features
+    last = model.layers[-1]
+    before = list(last)[:-1] if isinstance(last, nn.Sequential) else []
+    blocks = list(model.layers[:-1]) + [
+        nn.Sequential(*before, nn.Linear(d, d), nn.ReLU(inplace=True)),
+        nn.Sequential(nn.Linear(d, out_dim)),
+        nn.Sequential(nn.Linear(out_dim, classes)),
+    ]
+    return LayeredModel(blocks)
+
+
 def _fc_block(in_features: int, out_features: int, *, flatten: bool = False,
               relu: bool = True, dropout: float = 0.0) -> nn.Sequential:
     """A fully connected "layer": [Flatten] + Linear [+ ReLU] [+ Dropout]."""
