@@ -69,6 +69,11 @@ MOON_CONTRASTIVE = "moon-contrastive"
 #: ``metrics`` of a MOON reply: rounds the node has trained, this one included (1: first, or state lost).
 MOON_AGE = "moon-rounds"
 
+#: ArrayRecord of a FedGen train message (from round 2): the generator's state_dict.
+GENERATOR = "generator"
+#: ArrayRecord of a FedGen train reply: one int64 array of the client's label counts (same name).
+LABEL_COUNTS = "label-counts"
+
 #: Reply metrics about a client's own state that the server logs per round (mean over the
 #: accepted replies, in ``metrics.jsonl`` with ``_`` for ``-``).
 LOGGED_REPLY_METRICS = (CONTROL_AGE, MOON_AGE, MOON_CONTRASTIVE)

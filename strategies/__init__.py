@@ -20,7 +20,7 @@ from flwr.serverapp.strategy import Strategy
 from fedmm import protocol
 from fedmm.config import register_schema
 from fedmm.errors import ConfigError
-from strategies import clustered_sampling, fedavg, fedcross, fedexp, fedmr, fedmut, scaffold, solo
+from strategies import clustered_sampling, fedavg, fedcross, fedexp, fedgen, fedmr, fedmut, scaffold, solo
 from strategies.base import RoundLoopStrategy
 from strategies.clustered_sampling import ClusteredSelector
 from strategies.fedavg import FedAvg
@@ -46,6 +46,7 @@ STRATEGIES: dict[str, ModuleType] = {
     "fedexp": fedexp,
     "solo": solo,
     "scaffold": scaffold,
+    "fedgen": fedgen,
 }
 
 def check_federated_evaluation(values: Mapping[str, Any], cfg: Mapping[str, Any]) -> None:
@@ -74,7 +75,7 @@ for _name, _module in STRATEGIES.items():
     register_schema("strategy", _name, _module.CONFIG_SCHEMA, _checker(_module))
 
 #: Strategies with one server model, whose aggregation a selector may weigh (clustered sampling).
-ONE_MODEL = ("fedavg", "fedexp")
+ONE_MODEL = ("fedavg", "fedexp", "fedgen")
 
 
 def _check_selection(values: Mapping[str, Any], cfg: Mapping[str, Any]) -> None:

@@ -88,16 +88,16 @@ def test_flwr_run_simulation_writes_metrics(tmp_path: Path) -> None:
 
 
 def test_multimodel_simulation_dispatch_stages_and_failing_client(tmp_path: Path) -> None:
-    """FedMR, FedCross, FedMut, FedExP, SOLO, SCAFFOLD, MOON, then CluSamp, in one simulation: K = N = 3 so every
+    """FedMR, FedCross, FedMut, FedExP, SOLO, SCAFFOLD, MOON, FedGen, then CluSamp, in one simulation: K = N = 3 so every
     node trains every round (CluSamp: K = 2 draws); partition 0 always fails (a third of the
     clients: no model may be lost)."""
     from flwr.simulation import run_simulation
 
     from tests.sim_apps import failing_client_app, recording_server_app
 
-    strategies = ["fedmr", "fedcross", "fedmut", "fedexp", "solo", "scaffold", "moon"]
+    strategies = ["fedmr", "fedcross", "fedmut", "fedexp", "solo", "scaffold", "moon", "fedgen"]
     staged = {"fedmr": ["strategy.first_stage_rounds=1"], "fedcross": ["strategy.first_stage_rounds=1"], "fedmut": [],
-              "fedexp": [], "solo": [], "scaffold": [], "moon": []}
+              "fedexp": [], "solo": [], "scaffold": [], "moon": [], "fedgen": []}
     cfgs = [
         to_container(compose([
             f"strategy={strategy}", *staged[strategy], "num_rounds=3", "num_clients=3",
@@ -118,7 +118,7 @@ def test_multimodel_simulation_dispatch_stages_and_failing_client(tmp_path: Path
         num_supernodes=3,
         backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"logging_level": "ERROR"}},
     )
-    assert len(out["dirs"]) == 8
+    assert len(out["dirs"]) == 9
     clusamp = out["dirs"].pop()
     rows = read_metrics(clusamp)
     assert json.loads((clusamp / "summary.json").read_text())["status"] == "completed"
@@ -152,6 +152,13 @@ def test_multimodel_simulation_dispatch_stages_and_failing_client(tmp_path: Path
             assert [r["moon_rounds"] for r in rows[1:]] == [1.0, 2.0, 3.0]
             assert rows[1]["moon_contrastive"] == 0.0 and rows[2]["moon_contrastive"] > 0 and rows[3]["moon_contrastive"] > 0
             assert rows[-1]["accuracy"] > 0.15
+            continue
+        elif strategies[index] == "fedgen":  # the generator learns every round and travels from round 2 on
+            rows, plain = read_metrics(run), read_metrics(out["dirs"][strategies.index("fedexp")])
+            assert all(r["generator_loss_end"] < r["generator_loss_start"] for r in rows[1:])
+            model_bytes = plain[1]["bytes_sent"] // 3
+            generator_bytes = (rows[2]["bytes_sent"] - rows[1]["bytes_sent"]) // 3 - model_bytes
+            assert rows[1]["bytes_sent"] == plain[1]["bytes_sent"] and generator_bytes > 0  # round 1: the model only
             continue
         elif strategies[index] == "solo":  # each node gets its own model back: the failing one keeps the initial
             assert len(set(digests[2])) == 3 and digests[1][0] in digests[2]
