@@ -413,3 +413,17 @@ def test_fedmr_runs_on_the_two_good_nodes(deployment: Deployment) -> None:
     assert rows[-1]["accuracy"] > 0.3, rows
     with np.load(out / "final_models.npz") as pool:
         assert {name.split("/")[0] for name in pool.files} == {"0", "1"}  # K = 2 models kept
+
+
+def test_stateful_methods_keep_their_node_state_across_rounds(deployment: Deployment) -> None:
+    """SCAFFOLD's c_i and MOON's previous model live in each SuperNode's Context.state: in round 2
+    both good nodes report state from round 1 (a restart would have reset the count to 1)."""
+    if deployment.procs["supernode-bad"].poll() is None:
+        deployment.stop("supernode-bad")
+    for method, key in (("scaffold", "control_rounds"), ("moon", "moon_rounds")):
+        out = deployment.root / method
+        stream, run_id = deployment.run_app(method, RUN_CONFIG.format(k=2, out=out) + f" strategy='{method}'")
+        assert deployment.run_status(run_id) == "finished:completed", stream[-4000:]
+        rows = read_metrics(out)
+        assert [r["replies"] for r in rows[1:]] == [2, 2], stream[-4000:]
+        assert [r[key] for r in rows[1:]] == [1.0, 2.0], (method, rows)
