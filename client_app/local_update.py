@@ -22,6 +22,8 @@ received, :meth:`step` for every batch, and :meth:`end` after the last one.
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -90,6 +92,21 @@ class LocalUpdate:
     def metrics(self) -> dict[str, float]:
         """Further metrics of the reply (after :meth:`end`)."""
         return {}
+
+    def own_state(self) -> None:
+        """Empty ``self.state`` when it holds another experiment's entries: several experiments
+        run on one Flower run (a sweep on one simulation) share the nodes' ``Context``, and a
+        stateful plugin must not read a previous experiment's state. Call it at ``begin``."""
+        from flwr.app import ConfigRecord
+
+        from fedmm import protocol
+
+        tag = hashlib.sha1(json.dumps(dict(self.cfg), sort_keys=True, default=str).encode()).hexdigest()
+        held = self.state[protocol.STATE_EXPERIMENT]["id"] if protocol.STATE_EXPERIMENT in self.state else None
+        if held != tag:
+            for key in list(self.state.keys()):
+                del self.state[key]
+            self.state[protocol.STATE_EXPERIMENT] = ConfigRecord({"id": tag})
 
     def optimizer_args(self, training: Mapping[str, Any], lr: float) -> dict[str, float]:
         """Keyword arguments of the round's ``torch.optim.SGD`` (default: the ``training`` group's)."""
@@ -283,6 +300,7 @@ class Scaffold(LocalUpdate):
         """Read c and the stored c_i; keep x."""
         from fedmm import protocol
 
+        self.own_state()
         self.names = [n for n, p in model.named_parameters() if p.requires_grad]
         if protocol.CONTROL not in self.content:
             raise ValueError(f"the train message has no {protocol.CONTROL!r} record: run objective=scaffold with strategy=scaffold")
@@ -393,6 +411,7 @@ class Moon(LocalUpdate):
         """Freeze a copy of the received model and the negative."""
         from fedmm import protocol
 
+        self.own_state()
         self._mu = self.mu()
         self.tau = float(self.params["tau"])
         self.global_model = _frozen(copy.deepcopy(model))

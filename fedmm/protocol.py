@@ -48,6 +48,8 @@ ROSTER = "roster"
 CONTROL = "control"
 #: ArrayRecord of a SCAFFOLD train reply: Δc_i = c_i⁺ − c_i.
 CONTROL_DELTA = "control-delta"
+#: ``Context.state`` ConfigRecord: which experiment (a hash of its run config) the node's state belongs to.
+STATE_EXPERIMENT = "fedmm-experiment"
 #: ``Context.state`` ArrayRecord of a SCAFFOLD client: its control variate c_i.
 CONTROL_STATE = "scaffold-c-i"
 #: ``Context.state`` MetricRecord of a SCAFFOLD client: rounds its c_i has been trained for.

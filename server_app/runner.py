@@ -185,6 +185,15 @@ def _run_locked(grid: Grid, cfg: dict[str, Any], run_dir: Path, checkpoint: dict
             plot_label_histograms(hist, run_dir / "label_histograms.png")
 
         model = model_for(cfg, input_spec(d))
+        if d.get("embeddings_path"):  # Sent140: pre-trained word vectors into the initial model's embedding
+            from fedmm.data.sources import vocabulary
+            from fedmm.data.text import load_glove
+
+            table = model.layers[0].weight
+            vectors, found = load_glove(d["embeddings_path"], vocabulary(d), int(table.shape[1]))
+            with torch.no_grad():
+                table[: len(vectors)] = torch.from_numpy(vectors[: len(table)])
+            log(INFO, "fedmm: %d of %d vocabulary words initialised from %s", found, len(vectors) - 2, d["embeddings_path"])
         strategy = build_strategy(cfg)
         device = resolve_device(cfg["training"]["device"])
         eval_every = int(cfg["eval_every"])

@@ -147,3 +147,18 @@ def test_config_rules() -> None:
         compose(["strategy=scaffold", "objective=ce"])
     with pytest.raises(ConfigError, match="strategy=scaffold"):
         compose(["objective=scaffold"])
+
+
+def test_a_nodes_state_from_another_experiment_is_not_read() -> None:
+    """Several experiments on one Flower run share the nodes' Context: a second experiment (other
+    config) starts from zeros, the same experiment keeps its c_i."""
+    nodes = Nodes()
+    grid = FakeGrid(nodes, num_nodes=2, seed=0)
+    run(ScaffoldServer(clients_per_round=2, seed=0, num_clients=2), grid, [1])
+    state = next(iter(nodes.states.values()))
+    assert int(state[protocol.CONTROL_AGE_STATE]["rounds"]) == 1
+    run(ScaffoldServer(clients_per_round=2, seed=0, num_clients=2), grid, [2])  # same experiment, next round
+    assert int(state[protocol.CONTROL_AGE_STATE]["rounds"]) == 2
+    nodes.objective = {**OBJECTIVE, "clip_norm": 5.0}  # another experiment on the same nodes
+    run(ScaffoldServer(clients_per_round=2, seed=0, num_clients=2), grid, [2])
+    assert int(state[protocol.CONTROL_AGE_STATE]["rounds"]) == 1

@@ -19,7 +19,9 @@ NUM_CLIENTS_KEY = "num_clients"
 #: test set must not change with the run seed, or runs would not be comparable.
 HOLDOUT_SEED = 20240521
 
-DATASET_NAMES = ("mnist5k", "cifar10", "cifar100", "femnist", "mnist", "fashion_mnist")
+#: Text tasks (fedmm.data.text): token inputs, natural users.
+TEXT_NAMES = ("shakespeare", "sent140")
+DATASET_NAMES = ("mnist5k", "cifar10", "cifar100", "femnist", "mnist", "fashion_mnist") + TEXT_NAMES
 EMBEDDED_NAMES = ("mnist5k",)
 SOURCES = ("embedded", "hf")
 PARTITION_NAMES = ("iid", "dirichlet", "natural")
@@ -67,6 +69,86 @@ class _DatasetSpec:
     test_split: str | None
     test_fraction: float
     allow_partial: bool = False
+
+
+_TEXT_KEYS = {
+    "shakespeare": ("name", "source", "hf_id", "path", "user_column", "text_column", "label_column", "seq_len",
+                    "num_classes", "test_fraction"),
+    "sent140": ("name", "source", "hf_id", "path", "user_column", "text_column", "label_column", "seq_len",
+                "num_classes", "test_fraction", "vocab_size", "min_count", "embeddings_path"),
+}
+
+
+@dataclass(frozen=True)
+class _TextSpec:
+    """Validated, hashable form of a text task's ``dataset`` config group."""
+
+    name: str
+    source: str
+    hf_id: str | None
+    path: str | None
+    user_column: str
+    text_column: str
+    label_column: str
+    seq_len: int
+    num_classes: int
+    test_fraction: float
+    vocab_size: int = 0
+    min_count: int = 1
+    embeddings_path: str | None = None
+
+    @property
+    def token_ids(self) -> int:
+        """Size of the model's embedding table: the 80-symbol alphabet, or the vocabulary + padding + unknown."""
+        return 80 if self.name == "shakespeare" else self.vocab_size + 2
+
+
+def _text_spec(cfg: Mapping) -> _TextSpec:
+    name = cfg["name"]
+    keys = _TEXT_KEYS[name]
+    for key in cfg:
+        if key not in keys:
+            raise ConfigError(f"dataset.{key}", cfg[key], f"the keys of dataset {name}: {', '.join(keys)}")
+    source = _require(cfg, "source", "dataset")
+    if source != "hf":
+        raise ConfigError("dataset.source", source, "hf (the hub id, or dataset.path: a LEAF folder, which wins when set)")
+    path = _require(cfg, "path", "dataset")
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise ConfigError("dataset.path", path, "a LEAF folder path or null")
+    path = os.path.expanduser(os.fspath(path)) if path else None
+    hf_id = _opt_str(cfg, "hf_id")
+    if path is None and hf_id is None:
+        raise ConfigError("dataset.hf_id", hf_id, "a Hugging Face dataset id, or set dataset.path to a LEAF folder")
+    columns = {}
+    for key in ("user_column", "text_column", "label_column"):
+        value = _require(cfg, key, "dataset")
+        if not isinstance(value, str) or not value:
+            raise ConfigError(f"dataset.{key}", value, "a column name of the hub dataset")
+        columns[key] = value
+    seq_len = _require(cfg, "seq_len", "dataset")
+    if not _is_int(seq_len) or seq_len < 1:
+        raise ConfigError("dataset.seq_len", seq_len, "a positive integer (characters / tokens per sample)")
+    num_classes = _require(cfg, "num_classes", "dataset")
+    want = 80 if name == "shakespeare" else 2
+    if num_classes != want:
+        raise ConfigError("dataset.num_classes", num_classes, f"{want} for {name}")
+    test_fraction = _require(cfg, "test_fraction", "dataset")
+    if not _is_number(test_fraction) or not 0.0 < float(test_fraction) < 1.0:
+        raise ConfigError("dataset.test_fraction", test_fraction, "a number strictly between 0 and 1")
+    extra: dict[str, Any] = {}
+    if name == "sent140":
+        vocab_size = _require(cfg, "vocab_size", "dataset")
+        if not _is_int(vocab_size) or vocab_size < 1:
+            raise ConfigError("dataset.vocab_size", vocab_size, "a positive integer (words kept from the training split)")
+        min_count = _require(cfg, "min_count", "dataset")
+        if not _is_int(min_count) or min_count < 1:
+            raise ConfigError("dataset.min_count", min_count, "an integer >= 1 (occurrences for a word to enter the vocabulary)")
+        emb = _require(cfg, "embeddings_path", "dataset")
+        if emb is not None and not isinstance(emb, str):
+            raise ConfigError("dataset.embeddings_path", emb, "null or a GloVe-format text file")
+        extra = {"vocab_size": int(vocab_size), "min_count": int(min_count), "embeddings_path": os.path.expanduser(emb) if emb else None}
+    return _TextSpec(name=name, source=source, hf_id=hf_id, path=path, seq_len=int(seq_len), num_classes=int(num_classes),
+                     test_fraction=float(test_fraction), **columns, **extra)
 
 
 def _require(cfg: Mapping, key: str, group: str) -> Any:
@@ -124,6 +206,8 @@ def _dataset_spec(cfg: Mapping) -> _DatasetSpec:
     name = _require(cfg, "name", "dataset")
     if name not in DATASET_NAMES:
         raise ConfigError("dataset.name", name, ", ".join(DATASET_NAMES))
+    if name in TEXT_NAMES:
+        return _text_spec(cfg)  # type: ignore[return-value]
     source = _require(cfg, "source", "dataset")
     if source not in SOURCES:
         raise ConfigError("dataset.source", source, ", ".join(SOURCES))
@@ -309,6 +393,8 @@ class InputSpec:
 def input_spec(dataset_cfg: Mapping) -> InputSpec:
     """The :class:`InputSpec` of the configured dataset (validates the group)."""
     spec = _dataset_spec(dataset_cfg)
+    if isinstance(spec, _TextSpec):
+        return InputSpec(kind="tokens", num_classes=spec.num_classes, shape=(spec.seq_len,), vocab_size=spec.token_ids)
     return InputSpec(kind="image", num_classes=spec.num_classes, shape=(spec.in_channels, spec.image_size, spec.image_size))
 
 
@@ -316,8 +402,12 @@ def input_spec(dataset_cfg: Mapping) -> InputSpec:
 
 
 def _check_dataset_group(values: Mapping, cfg: Mapping) -> None:
-    _dataset_spec(values)
+    spec = _dataset_spec(values)
     path = values.get("path")
+    if isinstance(spec, _TextSpec):
+        if path and not (os.path.isdir(os.path.join(os.path.expanduser(str(path)), "train"))):
+            raise ConfigError("dataset.path", path, "an existing folder in LEAF's layout (train/*.json, test/*.json), or null")
+        return
     if path:
         if not os.path.exists(os.path.expanduser(str(path))):
             raise ConfigError("dataset.path", path, "an existing local dataset folder (save_to_disk output or CIFAR python batches), or null")
@@ -336,7 +426,9 @@ def _register_schemas() -> None:
     # The dataset keys are checked together by _dataset_spec (they depend on each other).
     dataset_schema = {key: AnyValue() for key in _DATASET_KEYS if key != "name"}
     for name in DATASET_NAMES:
-        register_schema("dataset", name, dataset_schema, _check_dataset_group)
+        keys = _TEXT_KEYS.get(name)
+        schema = {key: AnyValue() for key in keys if key != "name"} if keys else dataset_schema
+        register_schema("dataset", name, schema, _check_dataset_group)
     partition_keys = {"iid": (), "dirichlet": ("alpha", "min_partition_size", "self_balancing"), "natural": ("min_samples",)}
     held_out = Number(ge=0, lt=1, allowed="a fraction in [0, 1) of each client's rows held out for federated evaluation")
     for name, keys in partition_keys.items():

@@ -24,6 +24,7 @@ from fedmm.data.spec import InputSpec
 from fedmm.errors import ConfigError
 from fedmm.models.cnn import _build_cnn, _build_lenet
 from fedmm.models.layered import LayeredModel, with_projection_head
+from fedmm.models.text import build_char_lstm, build_sent_lstm
 from fedmm.models.resnet import PreActBottleneck, _build_resnet20, _build_resnet20_preact
 from fedmm.models.vgg import _build_vgg16
 
@@ -38,7 +39,12 @@ _BUILDERS: dict[str, tuple[Callable[[int, int, int], LayeredModel], tuple[str, .
     "vgg16": (_build_vgg16, ("image",)),
 }
 
-MODEL_NAMES: tuple[str, ...] = tuple(_BUILDERS)
+#: name -> builder(vocab_size, num_classes, **model options) of the token models
+_TOKEN_BUILDERS: dict[str, Callable[..., LayeredModel]] = {"char_lstm": build_char_lstm, "sent_lstm": build_sent_lstm}
+#: Model options besides projection_dim, by model (conf/model/<name>.yaml).
+_OPTIONS: dict[str, tuple[str, ...]] = {"sent_lstm": ("embedding_dim",)}
+
+MODEL_NAMES: tuple[str, ...] = tuple(_BUILDERS) + tuple(_TOKEN_BUILDERS)
 
 
 def _check_positive(key: str, value: object) -> int:
@@ -47,7 +53,8 @@ def _check_positive(key: str, value: object) -> int:
     return value
 
 
-def build_model(name: str, spec: InputSpec, projection_dim: int | None = None) -> LayeredModel:
+def build_model(name: str, spec: InputSpec, projection_dim: int | None = None,
+                options: Mapping[str, Any] | None = None) -> LayeredModel:
     """Build the model called ``name`` for the input described by ``spec``.
 
     Parameters
@@ -59,6 +66,8 @@ def build_model(name: str, spec: InputSpec, projection_dim: int | None = None) -
     projection_dim : int, optional
         ``model.projection_dim``: replace the classifier by MOON's projection head of this
         width and a classifier on it (:func:`~fedmm.models.layered.with_projection_head`).
+    options : mapping, optional
+        Further ``model`` options of the model (``sent_lstm``: ``embedding_dim``).
 
     Returns
     -------
@@ -74,6 +83,16 @@ def build_model(name: str, spec: InputSpec, projection_dim: int | None = None) -
         non-positive value; ``dataset.image_size`` for an image too small for the model
         (``vgg16`` needs at least 32).
     """
+    if name in _TOKEN_BUILDERS:
+        if spec.kind != "tokens":
+            raise ConfigError("model.name", name, f"a model for {spec.kind} inputs ({name} takes token inputs)")
+        vocab = _check_positive("dataset.vocab_size", spec.vocab_size)
+        classes = _check_positive("dataset.num_classes", spec.num_classes)
+        extra = {k: _check_positive(f"model.{k}", v) for k, v in (options or {}).items() if v is not None}
+        model = _TOKEN_BUILDERS[name](vocab, classes, **extra)
+        if projection_dim is not None:
+            model = with_projection_head(model, _check_positive("model.projection_dim", projection_dim))
+        return model
     if name not in _BUILDERS:
         raise ConfigError("model.name", name, ", ".join(MODEL_NAMES))
     builder, kinds = _BUILDERS[name]
@@ -90,7 +109,9 @@ def build_model(name: str, spec: InputSpec, projection_dim: int | None = None) -
 
 def model_for(cfg: Mapping[str, Any], spec: InputSpec) -> LayeredModel:
     """The model of a run config (``model.name`` and its options)."""
-    return build_model(cfg["model"]["name"], spec, cfg["model"].get("projection_dim"))
+    name = cfg["model"]["name"]
+    options = {k: cfg["model"][k] for k in _OPTIONS.get(name, ()) if k in cfg["model"]}
+    return build_model(name, spec, cfg["model"].get("projection_dim"), options)
 
 
 def _register_schemas() -> None:
@@ -98,7 +119,8 @@ def _register_schemas() -> None:
 
     schema = {"projection_dim": Nullable(Int(min=1), "null (no projection head) or its width, an integer >= 1")}
     for model_name in MODEL_NAMES:
-        register_schema("model", model_name, schema)
+        extra = {k: Int(min=1) for k in _OPTIONS.get(model_name, ())}
+        register_schema("model", model_name, {**schema, **extra})
 
 
 _register_schemas()
