@@ -176,3 +176,13 @@ def test_every_strategy_runs_two_rounds_on_both_text_tasks(leaf: dict[str, Path]
         rows = read_metrics(run)
         assert [r["round"] for r in rows] == [0, 1, 2]
         assert all(r["replies"] >= 1 for r in rows[1:]) and all(np.isfinite(r["loss"]) for r in rows)
+
+
+def test_fedcross_paper_presets_compose() -> None:
+    shakespeare = to_container(compose(["+experiment=fedcross_shakespeare", "strategy=fedcross"]))
+    assert (shakespeare["dataset"]["name"], shakespeare["model"]["name"], shakespeare["partition"]["name"]) == \
+        ("shakespeare", "char_lstm", "natural")
+    assert (shakespeare["num_clients"], shakespeare["clients_per_round"], shakespeare["num_rounds"]) == (128, 12, 1000)
+    sent = to_container(compose(["+experiment=fedcross_sent140", "strategy=fedcross"]))
+    assert (sent["num_clients"], sent["clients_per_round"], sent["num_rounds"], sent["partition"]["min_samples"]) == (803, 80, 3000, 40)
+    assert sent["training"]["local_epochs"] == 5 and sent["model"]["name"] == "sent_lstm"
