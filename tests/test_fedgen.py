@@ -16,7 +16,7 @@ from client_app.local_update import FedGenClient, build_local_update
 from fedmm import protocol
 from fedmm.config import compose, to_container
 from fedmm.data import InputSpec
-from fedmm.models import MODEL_NAMES, build_model
+from fedmm.models import IMAGE_MODEL_NAMES, build_model
 from fedmm.models.generator import Generator, classifier_of, diversity_loss, label_weights, teacher_loss
 from fedmm.protocol import model_to_record
 from strategies import build_strategy
@@ -44,7 +44,7 @@ def test_teacher_loss_keeps_the_codes_broadcast_and_diversity_on_hand_cases() ->
     assert float(diversity_loss(z, eps)) == pytest.approx(math.exp(-0.125))
 
 
-@pytest.mark.parametrize("name", MODEL_NAMES)
+@pytest.mark.parametrize("name", IMAGE_MODEL_NAMES)
 def test_generator_output_fits_every_models_classifier(name: str) -> None:
     spec = InputSpec(kind="image", num_classes=10, shape=(3, 32, 32))
     model = build_model(name, spec).eval()

@@ -12,7 +12,7 @@ from torchvision.models.resnet import BasicBlock
 
 from fedmm.errors import ConfigError
 from fedmm.data import InputSpec
-from fedmm.models import MODEL_NAMES, LayeredModel, PreActBottleneck, build_model
+from fedmm.models import IMAGE_MODEL_NAMES, MODEL_NAMES, LayeredModel, PreActBottleneck, build_model
 
 MNIST = (1, 28, 10)  # (in_channels, image_size, num_classes)
 CIFAR10 = (3, 32, 10)
@@ -42,10 +42,10 @@ def _num_params(model: nn.Module) -> int:
 
 
 def test_model_names() -> None:
-    assert MODEL_NAMES == ("cnn", "lenet", "resnet20", "resnet20-preact", "vgg16")
+    assert MODEL_NAMES == ("cnn", "lenet", "resnet20", "resnet20-preact", "vgg16", "char_lstm", "sent_lstm")
 
 
-@pytest.mark.parametrize("name", MODEL_NAMES)
+@pytest.mark.parametrize("name", IMAGE_MODEL_NAMES)
 @pytest.mark.parametrize("shape", [MNIST, CIFAR10, CIFAR100], ids=["mnist", "cifar10", "cifar100"])
 def test_output_shape(name: str, shape: tuple[int, int, int]) -> None:
     if name == "vgg16" and shape is MNIST:
@@ -131,7 +131,7 @@ def test_resnet20_preact_structure() -> None:
     assert feats.shape == (2, 256, 8, 8)  # 64 * expansion 4, two stride-2 stages
 
 
-@pytest.mark.parametrize("name", MODEL_NAMES)
+@pytest.mark.parametrize("name", IMAGE_MODEL_NAMES)
 def test_forward_prefix(name: str) -> None:
     model = _build(name, CIFAR10).eval()
     x = _batch(CIFAR10)
@@ -147,7 +147,7 @@ def test_forward_prefix(name: str) -> None:
             torch.testing.assert_close(h, full, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("name", MODEL_NAMES)
+@pytest.mark.parametrize("name", IMAGE_MODEL_NAMES)
 @pytest.mark.parametrize("m", [0, -1, "num_layers+1", True, 1.0])
 def test_forward_prefix_out_of_range(name: str, m: object) -> None:
     model = _build(name, CIFAR10)
@@ -171,7 +171,7 @@ def test_unknown_name() -> None:
         build_model("resnet18", image(3, 10, 32))
     msg = str(excinfo.value)
     assert "model.name" in msg and "resnet18" in msg
-    for name in MODEL_NAMES:
+    for name in IMAGE_MODEL_NAMES:
         assert name in msg
     assert isinstance(excinfo.value, ValueError)
     assert excinfo.value.key == "model.name"
@@ -222,7 +222,7 @@ def test_an_image_model_refuses_token_inputs() -> None:
     assert info.value.key == "model.name" and "image" in str(info.value)
 
 
-@pytest.mark.parametrize("name", MODEL_NAMES)
+@pytest.mark.parametrize("name", IMAGE_MODEL_NAMES)
 def test_seed_determinism(name: str) -> None:
     a = _build(name, CIFAR10, seed=7).state_dict()
     b = _build(name, CIFAR10, seed=7).state_dict()
@@ -237,12 +237,13 @@ def test_model_config_files() -> None:
     names = []
     for path in sorted(conf_dir.glob("*.yaml")):
         cfg = yaml.safe_load(path.read_text())
-        assert cfg == {"name": path.stem, "projection_dim": "${oc.select:objective.projection_dim,null}"}
+        extra = {"embedding_dim": 100} if path.stem == "sent_lstm" else {}
+        assert cfg == {"name": path.stem, "projection_dim": "${oc.select:objective.projection_dim,null}", **extra}
         names.append(cfg["name"])
     assert sorted(names) == sorted(MODEL_NAMES)
 
 
-@pytest.mark.parametrize("name", MODEL_NAMES)
+@pytest.mark.parametrize("name", IMAGE_MODEL_NAMES)
 def test_latent_and_classifier_split_the_forward_pass_and_the_projection_head(name: str) -> None:
     from fedmm.models import build_model
 

@@ -136,6 +136,8 @@ def test_lstms_expose_layers_latent_and_a_projection_head(leaf: dict[str, Path],
     train, _ = load_dataset(cfg["dataset"])
     x = train.x[:5]
     assert model(x).shape == (5, spec.num_classes)
+    if task == "shakespeare":  # LEAF's stacked LSTM: 640 + 272,384 + 526,336 + 20,560
+        assert sum(p.numel() for p in model.parameters()) == 819_920
     assert torch.allclose(model.classify(model.latent(x)), model(x), atol=1e-6)
     assert model.forward_prefix(x, 2).shape[:2] == (5, spec.shape[0])  # after the LSTM: the whole sequence
     head = model_for(text_cfg(task, leaf[task], "strategy=moon"), spec)

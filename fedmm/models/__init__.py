@@ -28,7 +28,7 @@ from fedmm.models.text import build_char_lstm, build_sent_lstm
 from fedmm.models.resnet import PreActBottleneck, _build_resnet20, _build_resnet20_preact
 from fedmm.models.vgg import _build_vgg16
 
-__all__ = ["MODEL_NAMES", "LayeredModel", "PreActBottleneck", "build_model", "model_for", "with_projection_head"]
+__all__ = ["IMAGE_MODEL_NAMES", "MODEL_NAMES", "TOKEN_MODEL_NAMES", "LayeredModel", "PreActBottleneck", "build_model", "model_for", "with_projection_head"]
 
 #: name -> (builder(in_channels, num_classes, image_size), input kinds it accepts)
 _BUILDERS: dict[str, tuple[Callable[[int, int, int], LayeredModel], tuple[str, ...]]] = {
@@ -44,7 +44,10 @@ _TOKEN_BUILDERS: dict[str, Callable[..., LayeredModel]] = {"char_lstm": build_ch
 #: Model options besides projection_dim, by model (conf/model/<name>.yaml).
 _OPTIONS: dict[str, tuple[str, ...]] = {"sent_lstm": ("embedding_dim",)}
 
-MODEL_NAMES: tuple[str, ...] = tuple(_BUILDERS) + tuple(_TOKEN_BUILDERS)
+#: Models of image inputs / of token inputs (text tasks).
+IMAGE_MODEL_NAMES: tuple[str, ...] = tuple(_BUILDERS)
+TOKEN_MODEL_NAMES: tuple[str, ...] = tuple(_TOKEN_BUILDERS)
+MODEL_NAMES: tuple[str, ...] = IMAGE_MODEL_NAMES + TOKEN_MODEL_NAMES
 
 
 def _check_positive(key: str, value: object) -> int:
