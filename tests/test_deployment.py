@@ -405,25 +405,30 @@ def test_fedmr_runs_on_the_two_good_nodes(deployment: Deployment) -> None:
     ids = deployment.node_ids
     deployment.wait_for_nodes({ids["a"]: "online", ids["b"]: "online", ids["bad"]: "offline"})
     out = deployment.root / "fedmr"
-    stream, run_id = deployment.run_app("fedmr", RUN_CONFIG.format(k=2, out=out) + " strategy='fedmr'")
+    # with MOON's objective on the clients (any strategy takes it): its previous model lives in
+    # each SuperNode's Context.state, so round 2 sees the state of round 1 on both nodes
+    config = RUN_CONFIG.format(k=2, out=out).replace("overrides='", "overrides='objective=moon ")
+    stream, run_id = deployment.run_app("fedmr", config + " strategy='fedmr'")
     assert deployment.run_status(run_id) == "finished:completed"
     rows = read_metrics(out)
     assert [r["round"] for r in rows] == [0, 1, 2]
     assert [r["replies"] for r in rows[1:]] == [2, 2], stream[-4000:]
+    assert [r["moon_rounds"] for r in rows[1:]] == [1.0, 2.0], rows
     assert rows[-1]["accuracy"] > 0.3, rows
     with np.load(out / "final_models.npz") as pool:
         assert {name.split("/")[0] for name in pool.files} == {"0", "1"}  # K = 2 models kept
 
 
-def test_stateful_methods_keep_their_node_state_across_rounds(deployment: Deployment) -> None:
-    """SCAFFOLD's c_i and MOON's previous model live in each SuperNode's Context.state: in round 2
-    both good nodes report state from round 1 (a restart would have reset the count to 1)."""
+def test_scaffold_keeps_its_control_variates_on_the_supernodes(deployment: Deployment) -> None:
+    """SCAFFOLD's c_i lives in each SuperNode's Context.state: in round 2 both good nodes report
+    a c_i trained in round 1 (a restart would have reset the count to 1). MOON's state is checked
+    in the FedMR run above."""
     if deployment.procs["supernode-bad"].poll() is None:
         deployment.stop("supernode-bad")
-    for method, key in (("scaffold", "control_rounds"), ("moon", "moon_rounds")):
-        out = deployment.root / method
-        stream, run_id = deployment.run_app(method, RUN_CONFIG.format(k=2, out=out) + f" strategy='{method}'")
-        assert deployment.run_status(run_id) == "finished:completed", stream[-4000:]
-        rows = read_metrics(out)
-        assert [r["replies"] for r in rows[1:]] == [2, 2], stream[-4000:]
-        assert [r[key] for r in rows[1:]] == [1.0, 2.0], (method, rows)
+    out = deployment.root / "scaffold"
+    # SCAFFOLD's N (c += ΣΔc_i / N) is num_clients: in deployment, the federation's size
+    stream, run_id = deployment.run_app("scaffold", RUN_CONFIG.format(k=2, out=out) + " strategy='scaffold' num_clients=2")
+    assert deployment.run_status(run_id) == "finished:completed", stream[-4000:]
+    rows = read_metrics(out)
+    assert [r["replies"] for r in rows[1:]] == [2, 2], stream[-4000:]
+    assert [r["control_rounds"] for r in rows[1:]] == [1.0, 2.0], rows

@@ -144,14 +144,16 @@ def test_lstms_expose_layers_latent_and_a_projection_head(leaf: dict[str, Path],
     assert head.latent(x).shape == (5, 256) and head(x).shape == (5, spec.num_classes)
 
 
-def test_every_strategy_runs_two_rounds_on_both_text_tasks(leaf: dict[str, Path], tmp_path: Path) -> None:
-    """All methods x {Shakespeare, Sent140}, 3 clients (one per user), 2 rounds, one simulation."""
+def test_every_strategy_runs_two_rounds_on_both_text_tasks(tmp_path: Path) -> None:
+    """All methods x {Shakespeare, Sent140}, 3 clients (one per user, 10 samples each), 2 rounds, one simulation."""
     from flwr.simulation import run_simulation
 
     from client_app.client_app import app as client_app
     from strategies import STRATEGIES
     from tests.sim_apps import recording_server_app
 
+    small = {"shakespeare": write_leaf(tmp_path / "leaf-shakespeare", shakespeare_users(3, 10)),
+             "sent140": write_leaf(tmp_path / "leaf-sent140", sent140_users(3, 10))}
     presets = ["fedavg", "fedprox", "fedrl", "fedmr", "fedcross", "fedmut", "fedexp", "solo", "clusamp", "scaffold",
                "moon", "fedgen", "fedasam"]
     assert {compose([f"strategy={p}"])["strategy"]["name"] for p in presets} == set(STRATEGIES)
@@ -159,7 +161,7 @@ def test_every_strategy_runs_two_rounds_on_both_text_tasks(leaf: dict[str, Path]
     for task in ("shakespeare", "sent140"):
         for preset in presets:
             extra = ["strategy.granularity=layer"] if preset == "fedmr" else []
-            cfgs.append(text_cfg(task, leaf[task], f"strategy={preset}", "num_rounds=2", "training.local_epochs=1",
+            cfgs.append(text_cfg(task, small[task], f"strategy={preset}", "num_rounds=2", "training.local_epochs=1",
                                  "strategy.fraction_evaluate=0", f"output_dir={tmp_path / task / preset}", *extra))
     log: list = []
     out: dict = {}
