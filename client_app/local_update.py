@@ -261,6 +261,13 @@ class ASAM(LocalUpdate):
         return loss
 
 
+def _require_strategy(params: Mapping[str, Any], cfg: Mapping[str, Any], strategy: str, method: str) -> None:
+    """A client objective that only works with its own server method."""
+    if cfg["strategy"]["name"] != strategy:
+        raise ConfigError("objective", params["name"], f"an objective other than {params['name']} with strategy "
+                          f"{cfg['strategy']['name']} ({method}'s clients need strategy={strategy})")
+
+
 class Scaffold(LocalUpdate):
     """SCAFFOLD's client (Karimireddy et al., ICML 2020, Option II).
 
@@ -288,9 +295,7 @@ class Scaffold(LocalUpdate):
     @classmethod
     def check_config(cls, params: Mapping[str, Any], cfg: Mapping[str, Any]) -> None:
         """The client needs the server's control variate: strategy scaffold."""
-        if cfg["strategy"]["name"] != "scaffold":
-            raise ConfigError("objective", params["name"], f"an objective other than scaffold with strategy "
-                              f"{cfg['strategy']['name']} (SCAFFOLD's clients need strategy=scaffold)")
+        _require_strategy(params, cfg, "scaffold", "SCAFFOLD")
 
     def optimizer_args(self, training: Mapping[str, Any], lr: float) -> dict[str, float]:
         """SGD with SCAFFOLD's own ``momentum``."""
@@ -510,9 +515,7 @@ class FedGenClient(LocalUpdate):
     @classmethod
     def check_config(cls, params: Mapping[str, Any], cfg: Mapping[str, Any]) -> None:
         """The client needs the server's generator: strategy fedgen."""
-        if cfg["strategy"]["name"] != "fedgen":
-            raise ConfigError("objective", params["name"], f"an objective other than fedgen with strategy "
-                              f"{cfg['strategy']['name']} (FedGen's clients need strategy=fedgen)")
+        _require_strategy(params, cfg, "fedgen", "FedGen")
 
     def _weight(self, key: str, table: str, default: str, server_round: int) -> float:
         value = self.params.get(key)

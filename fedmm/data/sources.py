@@ -274,17 +274,22 @@ def _load_cifar100_python(root: Path, spec: _DatasetSpec) -> tuple[TensorData, T
 # --------------------------------------------------------------- Hugging Face data
 
 
-def _load_hf(spec: _DatasetSpec) -> tuple[TensorData, TensorData]:
+def _hub_dataset(hf_id: str, local_copy: str) -> Any:
+    """``datasets.load_dataset(hf_id)``; a failure (network, auth, unknown id) says which local
+    copy ``dataset.path`` may point to instead."""
     import datasets as hfds
 
     try:
-        obj = hfds.load_dataset(spec.hf_id)
-    except Exception as err:  # network, auth or unknown id: add the offline hint
+        return hfds.load_dataset(hf_id)
+    except Exception as err:
         raise RuntimeError(
-            f"could not load dataset.hf_id={spec.hf_id!r} from the Hugging Face hub: {err}. "
-            "Without internet access, set dataset.path to a local copy "
-            "(a datasets.save_to_disk folder or the CIFAR python batches)."
+            f"could not load dataset.hf_id={hf_id!r} from the Hugging Face hub: {err}. "
+            f"Without internet access, set dataset.path to {local_copy}."
         ) from err
+
+
+def _load_hf(spec: _DatasetSpec) -> tuple[TensorData, TensorData]:
+    obj = _hub_dataset(spec.hf_id, "a local copy (a datasets.save_to_disk folder or the CIFAR python batches)")
     return _from_hf_object(obj, spec, origin="dataset.hf_id")
 
 
@@ -409,15 +414,7 @@ def _load_text(spec: _TextSpec) -> tuple[TensorData, TensorData]:
     if spec.path is not None:
         train_users, test_users = text.read_leaf_split(spec.path, "train"), text.read_leaf_split(spec.path, "test")
     else:
-        import datasets as hfds
-
-        try:
-            obj = hfds.load_dataset(spec.hf_id)
-        except Exception as err:  # network, auth or unknown id: add the offline hint
-            raise RuntimeError(
-                f"could not load dataset.hf_id={spec.hf_id!r} from the Hugging Face hub: {err}. Without internet "
-                "access, set dataset.path to a folder in LEAF's JSON layout (train/*.json, test/*.json)."
-            ) from err
+        obj = _hub_dataset(spec.hf_id, "a folder in LEAF's JSON layout (train/*.json, test/*.json)")
         # the hub copies' training data only (sentiment140's small "test" split has a neutral class
         # that LEAF leaves out): test_fraction of every user's rows is held out below
         train_users = _hf_users(obj["train"] if "train" in obj else obj[list(obj.keys())[0]], spec)

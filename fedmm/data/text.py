@@ -157,7 +157,8 @@ def sent140_data(users: list[tuple[str, list[Any], list[Any]]], vocab: Mapping[s
     try:
         labels = sent140_labels(ys)
     except ValueError as err:
-        raise TextDataError("dataset.path", "", str(err)) from err
+        bad = next(v for v in ys if int(float(v)) not in (0, 1, 4))
+        raise TextDataError("dataset.label_column", bad, f"Sent140 labels 0, 1 or 4 ({err})") from err
     return TensorData(x=encode_words(texts, vocab, seq_len), y=labels, ids=np.asarray(ids), transform=Identity())
 
 
