@@ -24,6 +24,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord
 from flwr.clientapp import ClientApp
 
+from client_app import secure
 from client_app.local_update import build_local_update
 from client_app.node_data import DATA_PATH_KEY, NodeDataError, load_node_data
 from client_app.training import train as train_model
@@ -143,27 +144,71 @@ def seed_for(cfg: Mapping[str, Any], server_round: int, context: Context) -> int
     return hash((int(cfg["seed"]), server_round, node)) % (2**63)
 
 
-@app.train()
-def train(msg: Message, context: Context) -> Message:
-    """Train the received model on the local data with the configured local-update plugin."""
-    cfg = protocol.read_run_config(msg)
+def local_training(
+    cfg: Mapping[str, Any], context: Context, server_round: int, model: LayeredModel, content: Any = None
+) -> tuple[dict[str, float], dict[str, Any]]:
+    """Train ``model`` in place on this node's data with the configured local-update plugin;
+    return the metrics and the plugin's extra reply records."""
     _set_threads(cfg, context)
-    server_round = protocol.server_round(msg)
     data = local_data(cfg, context)
-    model = model_from_message(cfg, msg)
     seed = seed_for(cfg, server_round, context)
     generator = torch.Generator().manual_seed(seed)  # batch order
     torch.manual_seed(seed)  # dropout (VGG-16) draws from the global generator
-    update = build_local_update(cfg, context.state, msg.content)
+    update = build_local_update(cfg, context.state, content)
     update.node = int(context.node_config.get("partition-id", context.node_id % (2**31)))
     metrics = train_model(
         model, data, update, cfg["training"], server_round, generator, resolve_device(cfg["training"]["device"])
     )
     extra = update.end(model)
     metrics.update(update.metrics())
+    return metrics, extra
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    """Train the received model on the local data with the configured local-update plugin."""
+    cfg = protocol.read_run_config(msg)
+    _set_threads(cfg, context)
+    model = model_from_message(cfg, msg)
+    metrics, extra = local_training(cfg, context, protocol.server_round(msg), model, msg.content)
     records = {protocol.ARRAYS: model_record(model), protocol.METRICS: MetricRecord(metrics)}
     records.update(extra)
     return protocol.reply_message(msg, records)
+
+
+def _secure_train(cfg: Mapping[str, Any], context: Context, server_round: int, arrays: protocol.ModelDict) -> tuple[protocol.ModelDict, dict[str, float]]:
+    # local training inside secure recombination: the model the node holds at that point
+    _set_threads(cfg, context)
+    model = _model(cfg["model"]["name"], input_spec(cfg["dataset"]), cfg["model"].get("projection_dim"))
+    model.load_state_dict({key: torch.from_numpy(np.array(value)) for key, value in arrays.items()}, strict=True)
+    metrics, extra = local_training(cfg, context, server_round, model)
+    if extra:
+        raise ValueError(f"objective.name={cfg['objective']['name']!r} replies with {sorted(extra)}, which secure recombination does not relay")
+    return {key: value.detach().cpu().numpy().copy() for key, value in model.state_dict().items()}, metrics
+
+
+@app.train(protocol.SECURE_KEYS)
+def secure_keys(msg: Message, context: Context) -> Message:
+    """Secure recombination: key setup (and training, when the exchange is after it)."""
+    return secure.handle(msg, context, _secure_train)
+
+
+@app.train(protocol.SECURE_SEND)
+def secure_send(msg: Message, context: Context) -> Message:
+    """Secure recombination: settle the last repetition, then stage 1 (send layers)."""
+    return secure.handle(msg, context, _secure_train)
+
+
+@app.train(protocol.SECURE_RETURN)
+def secure_return(msg: Message, context: Context) -> Message:
+    """Secure recombination: stages 2 and 3 (receive layers, return random ones)."""
+    return secure.handle(msg, context, _secure_train)
+
+
+@app.train(protocol.SECURE_UPLOAD)
+def secure_upload(msg: Message, context: Context) -> Message:
+    """Secure recombination: settle the last repetition (train in ``before`` mode), upload."""
+    return secure.handle(msg, context, _secure_train)
 
 
 @app.evaluate()

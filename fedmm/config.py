@@ -475,6 +475,10 @@ def resume_config(run_dir: str | os.PathLike, changes: Mapping[str, Any] | Seque
     if isinstance(cfg, dict):
         for key, default in _GROUPS_ADDED.items():
             cfg.setdefault(key, copy.deepcopy(default))
+        strategy = cfg.get("strategy")
+        if isinstance(strategy, dict):
+            for key, default in _STRATEGY_KEYS_ADDED.get(strategy.get("name"), {}).items():
+                strategy.setdefault(key, copy.deepcopy(default))
         if isinstance(cfg.get("model"), dict):
             cfg["model"].setdefault("projection_dim", None)  # added after runs were made
     items = list(changes.items()) if isinstance(changes, Mapping) else [_split_override(o) for o in changes]
@@ -496,6 +500,12 @@ def resume_config(run_dir: str | os.PathLike, changes: Mapping[str, Any] | Seque
 _SIMULATION_ADDED = {"ray_address": None, "ray_init_args": {}}
 #: Config groups added after runs were made (a run written before used these options).
 _GROUPS_ADDED = {"selection": {"name": "uniform"}}
+#: Keys added to a strategy's group after runs were made (their values then: off).
+_STRATEGY_KEYS_ADDED = {
+    "fedmr": {
+        "secure": {"enabled": False, "mode": "both", "repetitions": 2, "min_layers": 1, "max_layers": None, "pad": False, "max_attempts": 2}
+    }
+}
 
 
 def _split_override(item: str) -> tuple[str, Any]:

@@ -76,6 +76,40 @@ GENERATOR = "generator"
 #: ArrayRecord of a FedGen train reply: one int64 array of the client's label counts (same name).
 LABEL_COUNTS = "label-counts"
 
+#: Message actions of FedMR's secure recombination (``train.<action>``, see :mod:`fedmm.secure`):
+#: key setup (with the dispatched model), stage 1 (send), stages 2-3 (receive, return), upload.
+SECURE_KEYS = "secure_keys"
+SECURE_SEND = "secure_send"
+SECURE_RETURN = "secure_return"
+SECURE_UPLOAD = "secure_upload"
+#: ConfigRecord of every secure-recombination message and reply (its keys below).
+SECURE = "secure"
+#: ArrayRecord of ciphertexts (uint8 arrays named "0", "1", ...) delivered to a node.
+SECURE_IN = "secure-in"
+#: ArrayRecord of ciphertexts a node hands the server to relay (same naming).
+SECURE_OUT = "secure-out"
+#: ``secure`` keys, server → node: the settings, the step, the keys of the participants.
+SECURE_MODE = "mode"
+SECURE_EXCHANGE = "exchange"
+SECURE_ATTEMPT = "attempt"
+SECURE_REP = "repetition"
+SECURE_MIN_LAYERS = "min-layers"
+SECURE_MAX_LAYERS = "max-layers"
+SECURE_PAD = "pad"
+SECURE_GRANULARITY = "granularity"
+SECURE_TRAIN = "train"
+SECURE_ROLLBACK = "rollback"
+SECURE_PEERS = "peers"
+SECURE_PUBLIC_KEYS = "public-keys"
+#: ``secure`` keys naming the ciphertexts of ``secure-in`` (sender, sequence number) and of
+#: ``secure-out`` (receiver, sequence number), aligned with the arrays' order.
+SECURE_IN_SRC = "in-src"
+SECURE_IN_SEQ = "in-seq"
+SECURE_OUT_DST = "out-dst"
+SECURE_OUT_SEQ = "out-seq"
+#: ``secure`` key of a ``secure_keys`` reply: the node's ephemeral X25519 public key (32 bytes).
+SECURE_PUBLIC_KEY = "public-key"
+
 #: Reply metrics about a client's own state that the server logs per round (mean over the
 #: accepted replies, in ``metrics.jsonl`` with ``_`` for ``-``).
 LOGGED_REPLY_METRICS = (CONTROL_AGE, MOON_AGE, MOON_CONTRASTIVE)

@@ -12,31 +12,11 @@ from typing import TypeVar
 
 import numpy as np
 
+from fedmm.layers import GRANULARITIES, layer_units
+
 T = TypeVar("T")
 
-GRANULARITIES = ("tensor", "layer")
-
-
-def layer_units(keys: Sequence[str], granularity: str = "tensor") -> list[list[str]]:
-    """Split ordered state_dict keys into the units that move together.
-
-    ``tensor``: every state_dict entry is its own unit (the authors' code: a conv weight and
-    its bias, or BatchNorm's weight and running_mean, may come from different donors).
-    ``layer``: all entries of one module (same prefix before the last ``.``) move together.
-    """
-    if granularity == "tensor":
-        return [[key] for key in keys]
-    if granularity == "layer":
-        units: list[list[str]] = []
-        prefixes: dict[str, int] = {}
-        for key in keys:
-            prefix = key.rsplit(".", 1)[0] if "." in key else key
-            if prefix not in prefixes:
-                prefixes[prefix] = len(units)
-                units.append([])
-            units[prefixes[prefix]].append(key)
-        return units
-    raise ValueError(f"granularity={granularity!r}; allowed: {', '.join(GRANULARITIES)}")
+__all__ = ["GRANULARITIES", "layer_units", "recombine", "segments_for_ratio"]
 
 
 def segments_for_ratio(partition_ratio: float | None) -> int | None:
