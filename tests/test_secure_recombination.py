@@ -358,3 +358,52 @@ def test_config_and_arguments_are_checked() -> None:
         SecureRecombination(min_layers=3, max_layers=2)
     assert SecureRecombination(max_layers=None).layer_bounds(6) == (1, 3)
     assert SecureRecombination(min_layers=4, max_layers=9).layer_bounds(6) == (4, 6)
+
+
+# ============================================================================ the linkage attack (bench/secure_linkage.py)
+def _linkage():  # noqa: ANN202
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "secure_linkage.py"
+    spec = importlib.util.spec_from_file_location("secure_linkage", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_linkage_routing_matrix_by_hand() -> None:
+    """Node 0 sends its layer to node 1: node 1 returns one of {its own, node 0's} at random."""
+    linkage = _linkage()
+    matrix = linkage._repetition_matrix([(0, 1, 1.0)], 3)
+    np.testing.assert_allclose(matrix, [[0.5, 0.5, 0.0], [0.5, 0.5, 0.0], [0.0, 0.0, 1.0]])
+    # 0 → 2 and 1 → 2: node 2's buffer holds three layers, one stays, one goes back to each sender
+    matrix = linkage._repetition_matrix([(0, 2, 1.0), (1, 2, 1.0)], 3)
+    np.testing.assert_allclose(matrix, np.full((3, 3), 1 / 3))
+    # an edge that carries the index with probability 1/2 (sizes do not tell): a mixture
+    half = linkage._repetition_matrix([(0, 1, 0.5)], 2)
+    np.testing.assert_allclose(half.sum(axis=1), 1.0)
+    assert half[0, 0] > 0.5 > half[0, 1] > 0
+
+
+def test_linkage_attack_on_real_rounds() -> None:
+    """The attack runs on what the server saw: rows of every routing matrix sum to 1; without an
+    exchange after training, the uploader is the trainer (the attack is always right); the
+    ground truth maps every uploaded layer to exactly one trained layer."""
+    linkage = _linkage()
+    for mode in ("before", "after"):
+        strategy, grid, nodes = run_secure_round(mode, num_nodes=4)
+        uploads = strategy._test_uploads
+        trained = {next(n for n, k in grid.keys.items() if k == key): m for key, m in nodes.trained.items()}
+        units = [[k] for k in initial_model()]
+        codec = LayerCodec(protocol.array_spec(initial_model()), units, pad=False)
+        sizes = [codec.wire_bytes(j) for j in range(len(units))]
+        truth = linkage.true_trainers(uploads, trained, units)
+        guess = linkage.attribute(mode, uploads, strategy.secure.dispatched, strategy.secure.trace, units, sizes)
+        assert set(truth) <= set(guess) and len(truth) == 4 * (len(units) - 1)  # the counter is alike everywhere
+        for matrix in linkage.routing_matrices(strategy.secure.trace, mode, sorted(strategy.secure.dispatched), sizes):
+            np.testing.assert_allclose(matrix.sum(axis=1), 1.0)
+        if mode == "before":
+            assert all(guess[key] == truth[key] for key in truth)
+        else:
+            assert any(truth[(u, j)] != u for u, j in truth)  # layers moved after training
