@@ -10,31 +10,28 @@ its data lives:
 
 The local-update plugin (``objective.name``) decides the loss, the optimizer step, the state kept
 in ``Context.state`` across rounds and any extra reply records.
+
+This module stays light (no torch, no data stack): the handlers import :mod:`client_app.work`
+when a message needs a model trained or evaluated, so a roster query or a relay stage of secure
+recombination costs a deployed SuperNode (a fresh ClientApp process per message) a fraction of
+the start-up.
 """
 
 from __future__ import annotations
 
-import functools
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
-import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord
+from flwr.app import ConfigRecord, Context, Message
 from flwr.clientapp import ClientApp
 
 from client_app import secure
-from client_app.local_update import build_local_update
-from client_app.node_data import DATA_PATH_KEY, NodeDataError, load_node_data
-from client_app.training import train as train_model
 from fedmm import protocol
-from fedmm.data import InputSpec, TensorData, input_spec, load_partition, local_split, local_test_fraction
-from fedmm.evaluation import evaluate as evaluate_model
-from fedmm.evaluation import resolve_device
-from fedmm.models import LayeredModel, build_model
 
 app = ClientApp()
+
+#: Node config key of a deployed SuperNode's dataset folder (see client_app.node_data).
+DATA_PATH_KEY = protocol.DATA_PATH_KEY
 
 
 def node_key(node_config: Mapping[str, Any], node_id: int) -> str:
@@ -46,145 +43,18 @@ def node_key(node_config: Mapping[str, Any], node_id: int) -> str:
     return f"node:{node_id:020d}"
 
 
-def local_data(cfg: Mapping[str, Any], context: Context, part: str = "train") -> TensorData:
-    """This node's data: its own folder in deployment, its partition in simulation.
-
-    ``part="train"`` are the rows it trains on; ``part="test"`` the ``partition.local_test_fraction``
-    of its rows held out for federated evaluation (never trained on).
-    """
-    node_config = context.node_config
-    if DATA_PATH_KEY in node_config:
-        # Raises NodeDataError naming the node and the problem: Flower sends it back as the
-        # error reply's reason, the server logs it and goes on with the other nodes.
-        data = load_node_data(cfg["dataset"], node_config[DATA_PATH_KEY], context.node_id)
-        if part == "train" and not local_test_fraction(cfg["partition"]):
-            return data
-        train_rows, test_rows = local_split(np.arange(len(data)), local_test_fraction(cfg["partition"]), int(cfg["seed"]), 0)
-        return data.subset(train_rows if part == "train" else test_rows)
-    if "partition-id" not in node_config or "num-partitions" not in node_config:
-        raise NodeDataError(
-            f"node {context.node_id}: the node config has neither {DATA_PATH_KEY} (deployment) nor "
-            f"partition-id/num-partitions (simulation); start the SuperNode with "
-            f"--node-config \"{DATA_PATH_KEY}='/path/to/its/dataset'\""
-        )
-    return load_partition(
-        cfg["dataset"],
-        cfg["partition"],
-        int(node_config["partition-id"]),
-        int(node_config["num-partitions"]),
-        int(cfg["seed"]),
-        part,
-    )
-
-
-@functools.lru_cache(maxsize=4)
-def _model(name: str, spec: InputSpec, projection_dim: int | None) -> LayeredModel:
-    # Built once per worker process; every message loads its own weights into it.
-    return build_model(name, spec, projection_dim)
-
-
-def model_from_message(cfg: Mapping[str, Any], msg: Message) -> LayeredModel:
-    """The configured architecture with the weights of the received ``arrays``.
-
-    The arrays are read as views of the message's bytes and copied once, into the model
-    (``load_state_dict`` copies; nothing writes into the views).
-    """
-    model = _model(cfg["model"]["name"], input_spec(cfg["dataset"]), cfg["model"].get("projection_dim"))
-    arrays = protocol.record_to_model(msg.content[protocol.ARRAYS], copy=False)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        state = {key: torch.from_numpy(value) for key, value in arrays.items()}
-    model.load_state_dict(state, strict=True)
-    return model
-
-
-def model_record(model: torch.nn.Module) -> ArrayRecord:
-    """The model's ``state_dict`` as the reply's ArrayRecord (the bytes of ``ArrayRecord(state_dict)``,
-    with one copy of each tensor instead of two)."""
-    return protocol.model_to_record({key: value.detach().cpu().numpy() for key, value in model.state_dict().items()})
-
-
-def reserved_cpus(cfg: Mapping[str, Any]) -> int:
-    """CPU cores the simulation reserved for this ClientApp.
-
-    Ray knows what it assigned to the actor (``flwr run``'s ``client-resources-num-cpus`` or
-    fedmm's ``simulation.client_cpus``); outside Ray the config value is used.
-    """
-    cpus = _ray_assigned_cpus()
-    return cpus if cpus else max(1, int(cfg["simulation"]["client_cpus"]))
-
-
-@functools.lru_cache(maxsize=1)
-def _ray_assigned_cpus() -> int | None:
-    # What Ray reserved for this worker's actor: fixed for the worker's life, asked once.
-    try:
-        import ray
-
-        if ray.is_initialized():
-            cpus = ray.get_runtime_context().get_assigned_resources().get("CPU")
-            if cpus:
-                return max(1, int(cpus))
-    except Exception:  # not running in a Ray worker
-        pass
-    return None
-
-
-def _set_threads(cfg: Mapping[str, Any], context: Context) -> None:
-    # In simulation several ClientApps share the machine: use only the reserved cores.
-    # A deployed SuperNode owns its machine and keeps torch's default.
-    if "partition-id" in context.node_config:
-        threads = reserved_cpus(cfg)
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
-
-
-def seed_for(cfg: Mapping[str, Any], server_round: int, context: Context) -> int:
-    """The seed of this node's round: batch order and dropout depend on (seed, round, node) only."""
-    node = int(context.node_config.get("partition-id", context.node_id % (2**31)))
-    return hash((int(cfg["seed"]), server_round, node)) % (2**63)
-
-
-def local_training(
-    cfg: Mapping[str, Any], context: Context, server_round: int, model: LayeredModel, content: Any = None
-) -> tuple[dict[str, float], dict[str, Any]]:
-    """Train ``model`` in place on this node's data with the configured local-update plugin;
-    return the metrics and the plugin's extra reply records."""
-    _set_threads(cfg, context)
-    data = local_data(cfg, context)
-    seed = seed_for(cfg, server_round, context)
-    generator = torch.Generator().manual_seed(seed)  # batch order
-    torch.manual_seed(seed)  # dropout (VGG-16) draws from the global generator
-    update = build_local_update(cfg, context.state, content)
-    update.node = int(context.node_config.get("partition-id", context.node_id % (2**31)))
-    metrics = train_model(
-        model, data, update, cfg["training"], server_round, generator, resolve_device(cfg["training"]["device"])
-    )
-    extra = update.end(model)
-    metrics.update(update.metrics())
-    return metrics, extra
-
-
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     """Train the received model on the local data with the configured local-update plugin."""
-    cfg = protocol.read_run_config(msg)
-    _set_threads(cfg, context)
-    model = model_from_message(cfg, msg)
-    metrics, extra = local_training(cfg, context, protocol.server_round(msg), model, msg.content)
-    records = {protocol.ARRAYS: model_record(model), protocol.METRICS: MetricRecord(metrics)}
-    records.update(extra)
-    return protocol.reply_message(msg, records)
+    from client_app import work
+
+    return work.train_reply(msg, context)
 
 
 def _secure_train(cfg: Mapping[str, Any], context: Context, server_round: int, arrays: protocol.ModelDict) -> tuple[protocol.ModelDict, dict[str, float]]:
-    # local training inside secure recombination: the model the node holds at that point
-    _set_threads(cfg, context)
-    model = _model(cfg["model"]["name"], input_spec(cfg["dataset"]), cfg["model"].get("projection_dim"))
-    model.load_state_dict({key: torch.from_numpy(np.array(value)) for key, value in arrays.items()}, strict=True)
-    metrics, extra = local_training(cfg, context, server_round, model)
-    if extra:
-        raise ValueError(f"objective.name={cfg['objective']['name']!r} replies with {sorted(extra)}, which secure recombination does not relay")
-    return {key: value.detach().cpu().numpy().copy() for key, value in model.state_dict().items()}, metrics
+    from client_app import work
+
+    return work.secure_train(cfg, context, server_round, arrays)
 
 
 @app.train(protocol.SECURE_KEYS)
@@ -195,7 +65,8 @@ def secure_keys(msg: Message, context: Context) -> Message:
 
 @app.train(protocol.SECURE_SEND)
 def secure_send(msg: Message, context: Context) -> Message:
-    """Secure recombination: settle the last repetition, then stage 1 (send layers)."""
+    """Secure recombination: settle the last repetition (train first at the start of the
+    exchange after training, in ``both`` mode), then stage 1 (send layers)."""
     return secure.handle(msg, context, _secure_train)
 
 
@@ -214,12 +85,9 @@ def secure_upload(msg: Message, context: Context) -> Message:
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     """Evaluate the received model on this node's held-out rows (federated evaluation)."""
-    cfg = protocol.read_run_config(msg)
-    _set_threads(cfg, context)
-    data = local_data(cfg, context, part="test")
-    model = model_from_message(cfg, msg)
-    metrics = evaluate_model(model, data, resolve_device(cfg["training"]["device"]))
-    return protocol.reply_message(msg, {protocol.METRICS: MetricRecord(metrics)})
+    from client_app import work
+
+    return work.evaluate_reply(msg, context)
 
 
 @app.query()
@@ -228,6 +96,8 @@ def query(msg: Message, context: Context) -> Message:
     (clustered sampling), the number of examples it trains on."""
     roster: dict[str, Any] = {protocol.NODE_KEY: node_key(context.node_config, context.node_id)}
     if protocol.ROSTER_EXAMPLES in msg.content[protocol.CONFIG]:
+        from client_app import work
+
         cfg = protocol.read_run_config(msg)
-        roster[protocol.NUM_EXAMPLES] = len(local_data(cfg, context))
+        roster[protocol.NUM_EXAMPLES] = len(work.local_data(cfg, context))
     return protocol.reply_message(msg, {protocol.ROSTER: ConfigRecord(roster)})

@@ -22,11 +22,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from fedmm import protocol
 from fedmm.data import TensorData, load_dataset
 from fedmm.errors import ConfigError
 
 #: Node config key that points a SuperNode to its dataset folder.
-DATA_PATH_KEY = "data-path"
+DATA_PATH_KEY = protocol.DATA_PATH_KEY
 
 #: Dataset keys that must agree between the run's model and the node's data.
 _SHAPE_KEYS = ("dataset.num_classes", "dataset.in_channels", "dataset.image_size")

@@ -137,6 +137,6 @@ def handle(msg: Message, context: Context, train_fn: TrainFn) -> Message:
         if bool(settings.get(protocol.SECURE_TRAIN, False)):
             _train(node, cfg, context, server_round, train_fn)
         save(context, node)  # the snapshot stays: a failed upload elsewhere rolls this one back
-        metrics = {**node.metrics, "secure-bytes-sealed": float(node.bytes_sealed), "secure-padding-sealed": float(node.padding_sealed)}
+        metrics = {**node.metrics, protocol.SECURE_BYTES_SEALED: float(node.bytes_sealed), protocol.SECURE_PADDING_SEALED: float(node.padding_sealed)}
         return protocol.reply_message(msg, {protocol.ARRAYS: protocol.model_to_record(node.model), protocol.METRICS: MetricRecord(metrics)})
     raise SecureError(f"unknown secure-recombination action {action!r}")

@@ -128,6 +128,12 @@ NODE_KEY = "node-key"
 #: ``config`` of a QUERY (with ``RUN_CONFIG``): asks the node for its number of training
 #: examples too, answered as ``NUM_EXAMPLES`` in the ``roster`` reply (clustered sampling).
 ROSTER_EXAMPLES = "fedmm-roster-examples"
+#: Node config key (``--node-config``) of a deployed SuperNode: the folder of its own dataset.
+DATA_PATH_KEY = "data-path"
+#: ``metrics`` of a secure-recombination upload: ciphertext bytes the node sealed this round,
+#: and the padding among them.
+SECURE_BYTES_SEALED = "secure-bytes-sealed"
+SECURE_PADDING_SEALED = "secure-padding-sealed"
 #: ``metrics`` of a reply: examples the client trained / evaluated on (Flower's convention).
 NUM_EXAMPLES = "num-examples"
 

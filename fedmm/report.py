@@ -37,6 +37,9 @@ def method_label(cfg: dict[str, Any]) -> str:
     extras = []
     if s.get("first_stage_rounds"):
         extras.append(f"first stage {s['first_stage_rounds']}")
+    secure = s.get("secure") or {}
+    if secure.get("enabled"):
+        extras.append(f"secure {secure.get('mode')}, r_s {secure.get('repetitions')}" + (", padded" if secure.get("pad") else ""))
     if s.get("propeller_rounds") or s.get("dynamic_alpha_rounds"):
         extras.append(f"PM {s.get('propeller_rounds', 0)} + DA {s.get('dynamic_alpha_rounds', 0)}")
     if obj != "ce":

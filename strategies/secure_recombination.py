@@ -381,6 +381,8 @@ class SecureRecombination:
             slot = rnd.slot(node)
             s._round_seen.add(slot)
             s._round_rejected.append(f"node {node} (model {s.model_for_slot(slot)}): dropped from secure recombination: {why}")
+        # the padding the clients sealed (their own count: the server cannot tell padding from layer)
+        s.round_log["secure_padding_bytes"] = float(sum(u.metrics.get(protocol.SECURE_PADDING_SEALED, 0.0) for u in s._round_updates))
         if rnd.exchanged and not failed:
             log(INFO, "round %d: secure recombination: %d round trips, %d ciphertext bytes relayed", rnd.server_round, rnd.round_trips, rnd.relayed_bytes)
         return bool(failed)

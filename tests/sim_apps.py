@@ -27,6 +27,18 @@ def query(msg: Message, context: Context) -> Message:
     return real.query(msg, context)
 
 
+def _secure(msg: Message, context: Context) -> Message:
+    # secure recombination: partition 0 takes the key setup, then fails in stage 1 (its exchange
+    # partners must roll back and go on without it)
+    if int(context.node_config["partition-id"]) == 0 and msg.metadata.message_type.endswith("secure_send"):
+        raise RuntimeError("injected failure on partition 0")
+    return real.secure.handle(msg, context, real._secure_train)
+
+
+for _action in ("secure_keys", "secure_send", "secure_return", "secure_upload"):
+    failing_client_app.train(_action)(_secure)
+
+
 def arrays_digest(msg: Message) -> str:
     h = hashlib.sha1()
     for key, arr in msg.content["arrays"].items():

@@ -406,14 +406,20 @@ def test_fedmr_runs_on_the_two_good_nodes(deployment: Deployment) -> None:
     deployment.wait_for_nodes({ids["a"]: "online", ids["b"]: "online", ids["bad"]: "offline"})
     out = deployment.root / "fedmr"
     # with MOON's objective on the clients (any strategy takes it): its previous model lives in
-    # each SuperNode's Context.state, so round 2 sees the state of round 1 on both nodes
-    config = RUN_CONFIG.format(k=2, out=out).replace("overrides='", "overrides='objective=moon ")
-    stream, run_id = deployment.run_app("fedmr", config + " strategy='fedmr'")
+    # each SuperNode's Context.state, so round 2 sees the state of round 1 on both nodes; and with
+    # secure recombination (the exchange after training, one repetition: 4 round trips, each ~10 s
+    # of SuperNode polling and ClientApp start here): the layers travel sealed between the two
+    # SuperNodes through the SuperLink, the protocol's state also in Context.state
+    secure = "strategy.secure.enabled=true strategy.secure.mode=after strategy.secure.repetitions=1"
+    config = RUN_CONFIG.format(k=2, out=out).replace("overrides='", f"overrides='objective=moon {secure} ")
+    stream, run_id = deployment.run_app("fedmr", config + " strategy='fedmr'", timeout=600)
     assert deployment.run_status(run_id) == "finished:completed"
     rows = read_metrics(out)
     assert [r["round"] for r in rows] == [0, 1, 2]
     assert [r["replies"] for r in rows[1:]] == [2, 2], stream[-4000:]
     assert [r["moon_rounds"] for r in rows[1:]] == [1.0, 2.0], rows
+    assert [(r["secure_exchanged"], r["secure_dropped"], r["secure_round_trips"]) for r in rows[1:]] == [(1.0, 0.0, 4.0)] * 2, rows
+    assert all(r["secure_relayed_bytes"] > 0 for r in rows[1:])
     assert rows[-1]["accuracy"] > 0.3, rows
     with np.load(out / "final_models.npz") as pool:
         assert {name.split("/")[0] for name in pool.files} == {"0", "1"}  # K = 2 models kept

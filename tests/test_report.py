@@ -36,6 +36,8 @@ def test_method_labels() -> None:
     assert label("strategy=fedmut") == "FedMut" and label("strategy=solo") == "SOLO"
     assert label("strategy=fedasam") == "FedASAM" and label("strategy=fedsam") == "FedSAM"
     assert label("strategy=fedasam_fedmr_repo") == "FedASAM (ρ 0.1, η 0.0)"
+    assert label("strategy=fedmr", "strategy.secure.enabled=true") == "FedMR (secure both, r_s 2)"
+    assert label("strategy=fedmr", "strategy.secure.enabled=false") == "FedMR"
 
 
 def test_rounds_to_reach_and_summary(tmp_path: Path) -> None:

@@ -407,3 +407,14 @@ def test_linkage_attack_on_real_rounds() -> None:
             assert all(guess[key] == truth[key] for key in truth)
         else:
             assert any(truth[(u, j)] != u for u, j in truth)  # layers moved after training
+
+
+def test_padding_hides_sizes_and_its_cost_is_reported() -> None:
+    strategy, grid, nodes = run_secure_round("after", num_nodes=4, pad=True, max_layers=6)
+    assert len({relay.nbytes for relay in strategy.secure.trace}) == 1  # every ciphertext one size
+    assert strategy.round_log["secure_padding_bytes"] > 0
+    uploads = {grid.keys[n]: m for n, m in strategy._test_uploads.items()}
+    assert multiset(uploads.values()) == multiset(nodes.trained.values())
+    plain, _, _ = run_secure_round("after", num_nodes=4, pad=False, max_layers=6)
+    assert plain.round_log["secure_padding_bytes"] == 0
+    assert len({relay.nbytes for relay in plain.secure.trace}) > 1  # sizes name the layers

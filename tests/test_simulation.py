@@ -89,7 +89,7 @@ def test_flwr_run_simulation_writes_metrics(tmp_path: Path) -> None:
 
 def test_multimodel_simulation_dispatch_stages_and_failing_client(tmp_path: Path) -> None:
     """FedMR, FedCross, FedMut (3 rounds), FedExP, SOLO, SCAFFOLD, MOON, FedGen (2 rounds), then
-    CluSamp, in one simulation: K = N = 3 so every node trains every round (CluSamp: K = 2 draws);
+    CluSamp and FedMR with secure recombination, in one simulation: K = N = 3 so every node trains every round (CluSamp: K = 2 draws);
     partition 0 always fails (a third of the clients: no model may be lost)."""
     from flwr.simulation import run_simulation
 
@@ -115,6 +115,12 @@ def test_multimodel_simulation_dispatch_stages_and_failing_client(tmp_path: Path
         "dataset.test_fraction=0.75",
         "max_failed_rounds=0", f"output_dir={tmp_path / 'clusamp'}",
     ])))
+    # FedMR with secure recombination (both exchanges, 2 repetitions) on the real handlers: the
+    # failing node passes the key setup and fails in stage 1, the other two roll back and retry
+    cfgs.append(to_container(compose([
+        "strategy=fedmr", "strategy.secure.enabled=true", "num_rounds=2", "num_clients=3", "clients_per_round=3",
+        "training.local_epochs=1", "dataset.test_fraction=0.75", f"output_dir={tmp_path / 'secure'}",
+    ])))
     log: list = []
     out: dict = {}
     run_simulation(
@@ -123,7 +129,18 @@ def test_multimodel_simulation_dispatch_stages_and_failing_client(tmp_path: Path
         num_supernodes=3,
         backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"logging_level": "ERROR"}},
     )
-    assert len(out["dirs"]) == 9
+    assert len(out["dirs"]) == 10
+    secure = out["dirs"].pop()
+    rows = read_metrics(secure)
+    assert json.loads((secure / "summary.json").read_text())["status"] == "completed"
+    for row in rows[1:]:
+        # keys, the before exchange's failed first stage, its retry (2 repetitions x 2), the after
+        # exchange (2 x 2), the upload
+        assert (row["secure_exchanged"], row["secure_dropped"], row["secure_attempts"], row["secure_round_trips"]) == (1, 1, 3, 11), row
+        assert row["replies"] == 2 and row["secure_relayed_bytes"] > 0
+    assert rows[-1]["accuracy"] > 0.15
+    with np.load(secure / "final_models.npz") as pool:
+        assert {name.split("/")[0] for name in pool.files} == {"0", "1", "2"}  # no model lost
     clusamp = out["dirs"].pop()
     rows = read_metrics(clusamp)
     assert json.loads((clusamp / "summary.json").read_text())["status"] == "completed"
