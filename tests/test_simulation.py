@@ -138,7 +138,7 @@ def test_multimodel_simulation_dispatch_stages_and_failing_client(tmp_path: Path
         # exchange (2 x 2), the upload
         assert (row["secure_exchanged"], row["secure_dropped"], row["secure_attempts"], row["secure_round_trips"]) == (1, 1, 3, 11), row
         assert row["replies"] == 2 and row["secure_relayed_bytes"] > 0
-    assert rows[-1]["accuracy"] > 0.15
+    assert rows[1]["loss"] < rows[0]["loss"] and rows[2]["loss"] < rows[0]["loss"]  # it learns (the exchange draws from the OS: no fixed accuracy)
     with np.load(secure / "final_models.npz") as pool:
         assert {name.split("/")[0] for name in pool.files} == {"0", "1", "2"}  # no model lost
     clusamp = out["dirs"].pop()
