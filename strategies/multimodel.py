@@ -7,16 +7,72 @@ that was sent, and the method turns the K trained models into the K models of th
 
 The global model, used only for evaluation and as the run's final model, is the unweighted mean
 of the K trained models, taken before the method's update (as the authors' code does).
+
+Every round also logs how alike the trained models are (FedMR KDD'24, Fig. 6: "the average
+cosine similarity between all the intermediate models"): ``model_cosine`` (mean over pairs),
+``model_cosine_min`` and ``model_cosine_max`` in ``round_log``, hence in the round's row of
+``metrics.jsonl``. It is taken over the models whose training came back this round, before the
+method's update (recombination, cross-aggregation, mutation) changes them; plot it with
+``python -m fedmm.figures cosine <run dir>...``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+
+import numpy as np
 
 from fedmm.protocol import ClientUpdate, ModelDict
 from strategies.aggregation import mean_models
 from strategies.base import RoundLoopStrategy
 from strategies.selection import ClientSelector
+
+
+def pairwise_cosine(models: Sequence[Mapping[str, np.ndarray]], block_bytes: int = 64 << 20) -> np.ndarray:
+    """K × K cosine similarity of the models, each flattened to one vector, in float64.
+
+    The vector of a model is its floating-point state_dict entries in order: weights and
+    floating buffers (BatchNorm running statistics); integer buffers (``num_batches_tracked``)
+    are left out. The K models are copied block by block into one reusable K × B float64 buffer
+    of at most ``block_bytes`` (64 MiB) and each block adds ``B Bᵀ`` to the Gram matrix, so no
+    flattened model is ever built: cost O(K²·N) multiply-adds for N parameters. (FedCross's
+    partner selection, :func:`strategies.cross_aggregation.model_similarity`, computes the same
+    in the models' own dtype; float64 here keeps values close to 1 apart, e.g. 0.9999 vs 0.99995.)
+    A model whose vector is zero has similarity NaN (undefined) with every model.
+    """
+    k = len(models)
+    keys = [key for key, value in models[0].items() if np.issubdtype(value.dtype, np.floating)] if k else []
+    gram = np.zeros((k, k), dtype=np.float64)
+    total = sum(models[0][key].size for key in keys) if keys else 0
+    if total:
+        buf = np.empty((k, min(total, max(1, block_bytes // (8 * k)))), dtype=np.float64)
+        fill = 0
+        for key in keys:
+            flat = [np.asarray(m[key]).reshape(-1) for m in models]  # views, no copy
+            start, n = 0, flat[0].size
+            while start < n:
+                take = min(buf.shape[1] - fill, n - start)
+                for i, f in enumerate(flat):
+                    buf[i, fill : fill + take] = f[start : start + take]
+                fill, start = fill + take, start + take
+                if fill == buf.shape[1]:
+                    gram += buf @ buf.T
+                    fill = 0
+        if fill:
+            gram += buf[:, :fill] @ buf[:, :fill].T
+    norms = np.sqrt(np.clip(np.diag(gram), 0.0, None))
+    denom = np.outer(norms, norms)
+    cosine = np.divide(gram, denom, out=np.full_like(gram, np.nan), where=denom > 0)
+    return np.clip(cosine, -1.0, 1.0)  # rounding can leave |cos| a hair above 1
+
+
+def cosine_summary(models: Sequence[Mapping[str, np.ndarray]]) -> dict[str, float]:
+    """``model_cosine`` (mean over the K(K−1)/2 pairs), ``model_cosine_min`` and
+    ``model_cosine_max`` of :func:`pairwise_cosine`; empty for fewer than two models."""
+    if len(models) < 2:
+        return {}
+    pairs = pairwise_cosine(models)[np.triu_indices(len(models), k=1)]
+    return {"model_cosine": float(pairs.mean()), "model_cosine_min": float(pairs.min()), "model_cosine_max": float(pairs.max())}
 
 
 class MultiModelStrategy(RoundLoopStrategy):
@@ -29,6 +85,11 @@ class MultiModelStrategy(RoundLoopStrategy):
     seed, fraction_evaluate, selector
         See :class:`~strategies.base.RoundLoopStrategy`.
     """
+
+    #: Log the pairwise cosine similarity of the trained models every round (:func:`cosine_summary`:
+    #: about K²·N/2 float64 multiply-adds for N parameters; 0.2 s for K = 10 CNNs of 1.7M on two
+    #: busy cores, but ~1.7·10¹¹ for K = 100 VGG-16s). False: skip it.
+    log_model_cosine = True
 
     def __init__(
         self, num_models: int, seed: int, fraction_evaluate: float = 0.0, selector: ClientSelector | None = None
@@ -63,11 +124,14 @@ class MultiModelStrategy(RoundLoopStrategy):
         return slot
 
     def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> ModelDict:
-        """Put each trained model back in its slot, take the mean, then apply the method."""
+        """Put each trained model back in its slot, take the mean, log how alike the trained
+        models are (before the method changes them), then apply the method."""
         assert self.models is not None
         updated = [dict(m) for m in self.models]  # the method may empty these dicts; the pool's stay whole
         for update in updates:
             updated[update.slot] = update.model
+        if self.log_model_cosine:  # the models that came back trained; a failed slot's model is left out
+            self.round_log.update(cosine_summary([update.model for update in updates]))
         global_model = self.round_mean = mean_models(updated)
         self.models = self.update_models(server_round, updated, [u.slot for u in updates])
         self.round_mean = None
