@@ -262,6 +262,17 @@ def test_a_sweep_with_a_failed_job_finishes_the_others_lists_the_failure_and_exi
     assert "fedmm: 1 job(s) failed:" in proc.stdout and "no CUDA device" in proc.stdout
     (job0,) = sweep.glob("0_*")
     assert "[fedmm] round 1/1" in (job0 / "cli.log").read_text()  # the hydra job log has the progress lines
+    # the report lays this real sweep out as a paper table (the embedded MNIST subset named as the
+    # paper's CIFAR-10 only to fill a cell): ours beside the paper's value, the failed job listed
+    from fedmm.report import main as report
+
+    report([str(sweep), "--out", str(tmp_path / "report" / "kdd"), "--paper", "kdd_table1", "--map", "dataset.mnist5k=CIFAR-10"])
+    table = (tmp_path / "report" / "kdd_kdd_table1.md").read_text()
+    ours = 100 * read_metrics(job0)[-1]["accuracy"]
+    assert f"| CNN | CIFAR-10 | 0.5 | {ours:.2f} (54.42) n=1 |" in table, table  # FedAvg's cell of KDD Table 1
+    assert "1_" in table and "failed" in table, table
+    for suffix in (".csv", ".tex"):
+        assert "54.42" in (tmp_path / "report" / f"kdd_kdd_table1{suffix}").read_text()
 
 
 def test_a_simulation_runtime_that_cannot_start_fails_the_job_at_once(tmp_path: Path, ray_env: dict) -> None:
