@@ -118,7 +118,7 @@ def test_multimodel_simulation_dispatch_stages_and_failing_client(tmp_path: Path
     # FedMR with secure recombination (both exchanges, 2 repetitions) on the real handlers: the
     # failing node passes the key setup and fails in stage 1, the other two roll back and retry
     cfgs.append(to_container(compose([
-        "strategy=fedmr", "strategy.secure.enabled=true", "num_rounds=2", "num_clients=3", "clients_per_round=3",
+        "strategy=fedmr", "strategy.secure.enabled=true", "num_rounds=1", "num_clients=3", "clients_per_round=3",
         "training.local_epochs=1", "dataset.test_fraction=0.75", f"output_dir={tmp_path / 'secure'}",
     ])))
     log: list = []
@@ -138,7 +138,7 @@ def test_multimodel_simulation_dispatch_stages_and_failing_client(tmp_path: Path
         # exchange (2 x 2), the upload
         assert (row["secure_exchanged"], row["secure_dropped"], row["secure_attempts"], row["secure_round_trips"]) == (1, 1, 3, 11), row
         assert row["replies"] == 2 and row["secure_relayed_bytes"] > 0
-    assert rows[1]["loss"] < rows[0]["loss"] and rows[2]["loss"] < rows[0]["loss"]  # it learns (the exchange draws from the OS: no fixed accuracy)
+    assert [r["round"] for r in rows] == [0, 1] and rows[1]["loss"] < rows[0]["loss"]  # it learns (the exchange draws from the OS: no fixed accuracy)
     with np.load(secure / "final_models.npz") as pool:
         assert {name.split("/")[0] for name in pool.files} == {"0", "1", "2"}  # no model lost
     clusamp = out["dirs"].pop()
