@@ -292,13 +292,7 @@ class NodeExchange:
         expected: dict[tuple[str, int], int] = {}
         for dst, index in self.sent:
             expected[(dst, index)] = expected.get((dst, index), 0) + 1
-        seen: set[tuple[str, int]] = set()
-        for src, seq, ciphertext in incoming:
-            if (src, seq) in seen:
-                raise SecureError(f"node {self.node}: a second returned layer from node {src} with sequence {seq}")
-            seen.add((src, seq))
-            plaintext = open_sealed(self.key_with(src), self.envelope(RETURN, src, self.node, seq), ciphertext)
-            index, layer = codec.decode(plaintext)
+        for src, index, layer in self._open_all(incoming, RETURN, codec):
             if expected.get((src, index), 0) < 1:
                 raise SecureError(f"node {self.node}: node {src} returned layer {index}, which was not sent to it")
             expected[(src, index)] -= 1
@@ -352,13 +346,7 @@ class NodeExchange:
         if self.phase != "sent":
             raise SecureError(f"node {self.node}: layers to return arrived before stage 1")
         requests: list[tuple[str, int]] = []
-        seen: set[tuple[str, int]] = set()
-        for src, seq, ciphertext in incoming:
-            if (src, seq) in seen:
-                raise SecureError(f"node {self.node}: a second layer from node {src} with sequence {seq}")
-            seen.add((src, seq))
-            plaintext = open_sealed(self.key_with(src), self.envelope(SEND, src, self.node, seq), ciphertext)
-            index, layer = codec.decode(plaintext)
+        for src, index, layer in self._open_all(incoming, SEND, codec):
             self._buffer(index, codec).append(layer)
             requests.append((src, index))
         rng = np.random.default_rng(secrets.randbits(128))
@@ -371,6 +359,19 @@ class NodeExchange:
             seqs[src] = seq + 1
             out.append((src, seq, self._seal(RETURN, src, seq, codec, index, layer)))
         self.phase = "returned"
+        return out
+
+    def _open_all(self, incoming: Sequence[Sealed], stage: int, codec: LayerCodec) -> list[tuple[str, int, dict[str, np.ndarray]]]:
+        """Open the sealed layers of ``stage`` addressed to this node: (sender, index, layer) each;
+        a (sender, sequence number) that repeats is refused."""
+        seen: set[tuple[str, int]] = set()
+        out = []
+        for src, seq, ciphertext in incoming:
+            if (src, seq) in seen:
+                raise SecureError(f"node {self.node}: a second layer from node {src} with sequence {seq}")
+            seen.add((src, seq))
+            index, layer = codec.decode(open_sealed(self.key_with(src), self.envelope(stage, src, self.node, seq), ciphertext))
+            out.append((src, index, layer))
         return out
 
     def _buffer(self, index: int, codec: LayerCodec) -> list[dict[str, np.ndarray]]:

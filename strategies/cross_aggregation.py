@@ -21,19 +21,21 @@ def _float_keys(model: Mapping[str, np.ndarray]) -> list[str]:
     return [key for key, value in model.items() if np.issubdtype(value.dtype, np.floating)]
 
 
-def _gram(models: Sequence[Mapping[str, np.ndarray]], keys: Sequence[str], block_bytes: int = 64 << 20) -> np.ndarray:
+def _gram(
+    models: Sequence[Mapping[str, np.ndarray]], keys: Sequence[str], block_bytes: int = 64 << 20, dtype: np.dtype | None = None
+) -> np.ndarray:
     """G[i, j] = Σ_keys <w_i[key], w_j[key]>.
 
     The K models' tensors are copied, in state_dict order, into one reusable K × B buffer of
     at most ``block_bytes`` (64 MiB); each full buffer costs one BLAS product. So the only copy
-    ever held is that buffer, whatever the model size or K. Products run in the models' dtype;
-    each block's result is accumulated in float64.
+    ever held is that buffer, whatever the model size or K. Products run in the models' dtype
+    (or ``dtype``); each block's result is accumulated in float64.
     """
     k = len(models)
     gram = np.zeros((k, k), dtype=np.float64)
     if not keys:
         return gram
-    dtype = np.result_type(*(models[0][key].dtype for key in keys))
+    dtype = np.dtype(dtype) if dtype is not None else np.result_type(*(models[0][key].dtype for key in keys))
     cols = max(1, block_bytes // (dtype.itemsize * k))
     total = sum(models[0][key].size for key in keys)
     buf = np.empty((k, min(cols, total)), dtype=dtype)

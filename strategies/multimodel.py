@@ -25,6 +25,7 @@ import numpy as np
 from fedmm.protocol import ClientUpdate, ModelDict
 from strategies.aggregation import mean_models
 from strategies.base import RoundLoopStrategy
+from strategies.cross_aggregation import _float_keys, _gram
 from strategies.selection import ClientSelector
 
 
@@ -33,33 +34,15 @@ def pairwise_cosine(models: Sequence[Mapping[str, np.ndarray]], block_bytes: int
 
     The vector of a model is its floating-point state_dict entries in order: weights and
     floating buffers (BatchNorm running statistics); integer buffers (``num_batches_tracked``)
-    are left out. The K models are copied block by block into one reusable K × B float64 buffer
-    of at most ``block_bytes`` (64 MiB) and each block adds ``B Bᵀ`` to the Gram matrix, so no
-    flattened model is ever built: cost O(K²·N) multiply-adds for N parameters. (FedCross's
+    are left out. The Gram matrix is FedCross's blocked one
+    (:func:`strategies.cross_aggregation._gram`: one reusable buffer of at most ``block_bytes``,
+    no flattened model ever built; O(K²·N) multiply-adds), with the products in float64. (FedCross's
     partner selection, :func:`strategies.cross_aggregation.model_similarity`, computes the same
     in the models' own dtype; float64 here keeps values close to 1 apart, e.g. 0.9999 vs 0.99995.)
     A model whose vector is zero has similarity NaN (undefined) with every model.
     """
-    k = len(models)
-    keys = [key for key, value in models[0].items() if np.issubdtype(value.dtype, np.floating)] if k else []
-    gram = np.zeros((k, k), dtype=np.float64)
-    total = sum(models[0][key].size for key in keys) if keys else 0
-    if total:
-        buf = np.empty((k, min(total, max(1, block_bytes // (8 * k)))), dtype=np.float64)
-        fill = 0
-        for key in keys:
-            flat = [np.asarray(m[key]).reshape(-1) for m in models]  # views, no copy
-            start, n = 0, flat[0].size
-            while start < n:
-                take = min(buf.shape[1] - fill, n - start)
-                for i, f in enumerate(flat):
-                    buf[i, fill : fill + take] = f[start : start + take]
-                fill, start = fill + take, start + take
-                if fill == buf.shape[1]:
-                    gram += buf @ buf.T
-                    fill = 0
-        if fill:
-            gram += buf[:, :fill] @ buf[:, :fill].T
+    keys = _float_keys(models[0]) if models else []
+    gram = _gram(models, keys, block_bytes, dtype=np.float64)
     norms = np.sqrt(np.clip(np.diag(gram), 0.0, None))
     denom = np.outer(norms, norms)
     cosine = np.divide(gram, denom, out=np.full_like(gram, np.nan), where=denom > 0)
