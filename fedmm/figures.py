@@ -88,10 +88,10 @@ def read_run(run_dir: Path | str) -> dict[str, Any]:
 def run_labels(runs: Sequence[Mapping[str, Any]]) -> list[str]:
     """A legend label per run: the method, then the settings that differ between the runs,
     then the seed and at last the directory name where labels would still collide."""
-    from fedmm.report import differing_keys, method_label, setting_label
+    from fedmm.report import method_label, setting_keys, setting_label
 
     with_cfg = [r for r in runs if r["cfg"]]
-    keys = differing_keys(with_cfg) if len(with_cfg) > 1 else []
+    keys = setting_keys(with_cfg) if len(with_cfg) > 1 else []
     labels = []
     for run in runs:
         if not run["cfg"]:

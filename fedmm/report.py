@@ -146,6 +146,22 @@ def differing_keys(runs: list[dict[str, Any]]) -> list[str]:
 _SHOWN = ("partition.", "strategy.", "objective.")
 
 
+def setting_keys(runs: list[dict[str, Any]]) -> list[str]:
+    """The differing keys a row or curve must name: those that vary among one method's runs.
+
+    A key that only tells methods apart (CluSamp's ``selection.*``, MOON's projection head) is
+    already said by the method column."""
+    flats = [(method_label(r["cfg"]), flat(r["cfg"])) for r in runs]
+    keys = []
+    for key in differing_keys(runs):
+        values: dict[str, set[str]] = defaultdict(set)
+        for method, f in flats:
+            values[method].add(repr(f.get(key)))
+        if any(len(v) > 1 for v in values.values()):
+            keys.append(key)
+    return keys
+
+
 def setting_label(cfg: dict[str, Any], keys: list[str]) -> str:
     """The differing keys the partition and method columns do not show, as ``key=value``."""
     f = flat(cfg)
@@ -212,7 +228,7 @@ def _mean_std(values: np.ndarray | list[float], digits: int = 2) -> str:
 
 def summarise(runs: list[dict[str, Any]], reference: str | None) -> tuple[str, dict]:
     """The markdown table and its data: one row per group of runs that differ only in the seed."""
-    keys = differing_keys(runs)
+    keys = setting_keys(runs)
     by_setting: dict[tuple[str, str, str], list[dict]] = {}
     for group in seed_groups(runs):
         part, method = partition_label(group[0]["cfg"]), method_label(group[0]["cfg"])
@@ -251,7 +267,7 @@ def summarise(runs: list[dict[str, Any]], reference: str | None) -> tuple[str, d
 def _draw_curves(ax: Any, runs: list[dict[str, Any]]) -> None:
     """One curve per group of runs that differ only in the seed: the mean test accuracy over the
     seeds at the rounds all of them evaluated, shaded ± the sample std (two or more seeds)."""
-    keys = differing_keys(runs)
+    keys = setting_keys(runs)
     labels: dict[str, list[dict]] = {}
     for group in seed_groups(runs):
         setting = setting_label(group[0]["cfg"], keys)

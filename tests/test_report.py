@@ -89,6 +89,13 @@ def test_runs_that_differ_in_any_key_are_never_averaged_and_failed_runs_are_refu
     assert a["best"] == [60.0, 80.0]  # round 0's 90 % does not count as "best"
     assert "70.00 ± 14.14" in table  # sample std (ddof = 1): |80 - 60| / sqrt(2)
 
+    # a key that only one method sets (CluSamp's selector) is said by the method column, and the
+    # method is still measured against FedAvg; a key that varies within a method stays named
+    write_run(tmp_path, "c0", ["seed=0", "strategy=clusamp"], [0.1, 0.7, 0.9])
+    _, data = summarise(load_runs(tmp_path), "FedAvg")
+    assert "Dir(0.5) / CluSamp / training.lr=0.01" in data
+    assert data["Dir(0.5) / CluSamp / training.lr=0.01"]["rounds_to_reference"] == [1]
+
 
 # --- the papers' layout -----------------------------------------------------------------------
 
