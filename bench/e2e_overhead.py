@@ -314,8 +314,11 @@ def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
     from client_app.local_update import build_local_update
     from client_app.training import train
     from fedmm.data import input_spec, load_dataset, load_partition, partition_indices
+    from client_content import content_for
+    from flwr.app import RecordDict
+
     from fedmm.evaluation import evaluate, resolve_device
-    from fedmm.models import build_model
+    from fedmm.models import model_for
     from server_app.runner import seed_everything
     from strategies.aggregation import mean_models
 
@@ -332,9 +335,13 @@ def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
     train_data, test_data = load_dataset(d)
     partition_indices(train_data, cfg["partition"], n, seed)
     shape = input_spec(d)
-    server_model = build_model(cfg["model"]["name"], shape)
+    server_model = model_for(cfg, shape)
     initial = _to_numpy(server_model)
-    client_model = build_model(cfg["model"]["name"], shape)  # the ClientApp's cached model
+    client_model = model_for(cfg, shape)  # the ClientApp's cached model
+    # what a client keeps (MOON's previous model, SCAFFOLD's c_i) and what its message carries
+    # (SCAFFOLD's c, FedGen's generator), so that stateful objectives do their full work
+    states = {pid: RecordDict() for pid in range(n)}
+    content = content_for(cfg, client_model)
     update = MultiModelUpdate(cfg) if name in ("fedmr", "fedcross") else None  # else FedAvg's weighted mean
     setup = time.perf_counter() - setup_start
 
@@ -363,7 +370,10 @@ def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
             _load(client_model, global_state if update is None else pool[index])
             data = load_partition(d, cfg["partition"], pid, n, seed)
             generator = torch.Generator().manual_seed(hash((seed, server_round, pid)) % (2**63))
-            metrics = train(client_model, data, build_local_update(cfg), cfg["training"], server_round, generator, device)
+            local = build_local_update(cfg, states[pid], content)
+            local.node = pid
+            metrics = train(client_model, data, local, cfg["training"], server_round, generator, device)
+            local.end(client_model)
             trained.append(_to_numpy(client_model))
             weights.append(float(metrics["num-examples"]))
         mid = time.perf_counter()
@@ -677,7 +687,11 @@ def main() -> None:
             res = run_child("plain", {"cfg": cfg, "threads": threads}, workdir / strategy / f"plain-t{threads}", args.verbose)
             # The plain loop has the server step of FedAvg, FedMR and FedCross; for any other method
             # it does the same client work with FedAvg's server step (so no accuracy comparison).
+            # Likewise it samples clients uniformly: a run with another selector (CluSamp) is compared
+            # on the same amount of client work.
             runner = "plain loop" if cfg["strategy"]["name"] in PLAIN_SERVER_STEPS else "plain loop, FedAvg's step"
+            if (cfg.get("selection") or {}).get("name", "uniform") != "uniform":
+                runner += ", uniform sampling"
             plain_rows.append(dict(res, strategy=strategy, runner=runner, parallel=1, threads=threads, client_cpus=None,
                                    num_clients=cfg["num_clients"], clients_per_round=cfg["clients_per_round"],
                                    local_epochs=cfg["training"]["local_epochs"], model=cfg["model"]["name"]))

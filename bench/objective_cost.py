@@ -21,7 +21,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -30,30 +29,15 @@ import client_app.local_update  # noqa: E402,F401 - registers the objective sche
 import strategies  # noqa: E402,F401 - registers the strategy schemas
 from client_app.local_update import build_local_update  # noqa: E402
 from client_app.training import train  # noqa: E402
-from fedmm import protocol  # noqa: E402
 from fedmm.config import compose, to_container  # noqa: E402
 from fedmm.data import input_spec, load_dataset, load_partition  # noqa: E402
 from fedmm.models import model_for  # noqa: E402
-from fedmm.models.generator import Generator  # noqa: E402
+
+from client_content import content_for  # noqa: E402 - bench/client_content.py
 
 #: method (strategy preset) -> its client objective's label
 METHODS = {"fedavg": "CE (FedAvg)", "fedprox": "FedProx", "fedrl": "FedRL", "scaffold": "SCAFFOLD", "moon": "MOON",
            "fedgen": "FedGen", "fedasam": "FedASAM", "fedsam": "FedSAM"}
-
-
-def content_for(method: str, cfg: dict, model: torch.nn.Module):  # noqa: ANN201
-    """What the method's train message carries besides the model (from round 2 on)."""
-    from flwr.app import RecordDict
-
-    records = {}
-    if method == "scaffold":
-        records[protocol.CONTROL] = protocol.model_to_record(
-            {n: np.zeros(tuple(p.shape), np.float32) for n, p in model.named_parameters()})
-    if method == "fedgen":
-        s = cfg["strategy"]
-        gen = Generator(s["noise_dim"], int(cfg["dataset"]["num_classes"]), model.latent_dim, s["hidden_dim"])
-        records[protocol.GENERATOR] = protocol.model_to_record({k: v.numpy() for k, v in gen.state_dict().items()})
-    return RecordDict(records)
 
 
 def main() -> None:
@@ -82,7 +66,7 @@ def main() -> None:
                 data = load_partition(d, cfg["partition"], pid, args.clients, cfg["seed"])
                 torch.manual_seed(rnd)
                 model = model_for(cfg, input_spec(d))
-                content = content_for(method, cfg, model)
+                content = content_for(cfg, model)
                 update = build_local_update(cfg, states[method][pid], content)
                 update.node = pid
                 t = time.perf_counter()

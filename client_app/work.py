@@ -24,7 +24,7 @@ from fedmm import protocol
 from fedmm.data import InputSpec, TensorData, input_spec, load_partition, local_split, local_test_fraction
 from fedmm.evaluation import evaluate as evaluate_model
 from fedmm.evaluation import resolve_device
-from fedmm.models import LayeredModel, build_model
+from fedmm.models import LayeredModel, build_model, model_options
 
 
 def local_data(cfg: Mapping[str, Any], context: Context, part: str = "train") -> TensorData:
@@ -59,9 +59,14 @@ def local_data(cfg: Mapping[str, Any], context: Context, part: str = "train") ->
 
 
 @functools.lru_cache(maxsize=4)
-def _model(name: str, spec: InputSpec, projection_dim: int | None) -> LayeredModel:
+def _cached_model(name: str, spec: InputSpec, projection_dim: int | None, options: tuple[tuple[str, Any], ...]) -> LayeredModel:
     # Built once per worker process; every message loads its own weights into it.
-    return build_model(name, spec, projection_dim)
+    return build_model(name, spec, projection_dim, dict(options))
+
+
+def _model(cfg: Mapping[str, Any]) -> LayeredModel:
+    """The run's architecture (with its options and MOON's head), as the server builds it."""
+    return _cached_model(cfg["model"]["name"], input_spec(cfg["dataset"]), cfg["model"].get("projection_dim"), model_options(cfg))
 
 
 def model_from_message(cfg: Mapping[str, Any], msg: Message) -> LayeredModel:
@@ -70,7 +75,7 @@ def model_from_message(cfg: Mapping[str, Any], msg: Message) -> LayeredModel:
     The arrays are read as views of the message's bytes and copied once, into the model
     (``load_state_dict`` copies; nothing writes into the views).
     """
-    model = _model(cfg["model"]["name"], input_spec(cfg["dataset"]), cfg["model"].get("projection_dim"))
+    model = _model(cfg)
     arrays = protocol.record_to_model(msg.content[protocol.ARRAYS], copy=False)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
@@ -159,7 +164,7 @@ def train_reply(msg: Message, context: Context) -> Message:
 def secure_train(cfg: Mapping[str, Any], context: Context, server_round: int, arrays: protocol.ModelDict) -> tuple[protocol.ModelDict, dict[str, float]]:
     # local training inside secure recombination: the model the node holds at that point
     _set_threads(cfg, context)
-    model = _model(cfg["model"]["name"], input_spec(cfg["dataset"]), cfg["model"].get("projection_dim"))
+    model = _model(cfg)
     model.load_state_dict({key: torch.from_numpy(np.array(value)) for key, value in arrays.items()}, strict=True)
     metrics, extra = local_training(cfg, context, server_round, model)
     if extra:

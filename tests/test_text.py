@@ -144,6 +144,18 @@ def test_lstms_expose_layers_latent_and_a_projection_head(leaf: dict[str, Path],
     assert head.latent(x).shape == (5, 256) and head(x).shape == (5, spec.num_classes)
 
 
+def test_the_client_builds_the_servers_architecture_with_its_options(leaf: dict[str, Path]) -> None:
+    # sent_lstm's embedding_dim (e.g. 300 for 300-d GloVe) reaches the ClientApp's model, so the
+    # server's arrays load into it
+    from client_app.work import _model
+
+    cfg = text_cfg("sent140", leaf["sent140"], "model.embedding_dim=12")
+    server = model_for(cfg, input_spec(cfg["dataset"])).state_dict()
+    client = _model(cfg)
+    assert next(iter(client.state_dict().values())).shape[1] == 12  # the embedding table
+    client.load_state_dict(server, strict=True)
+
+
 def test_every_strategy_runs_on_both_text_tasks(tmp_path: Path) -> None:
     """All methods x {Shakespeare, Sent140}, 3 clients (one per user, 10 samples each), one
     simulation: 2 rounds for the methods whose round 2 differs in kind (client state kept by

@@ -110,11 +110,16 @@ def build_model(name: str, spec: InputSpec, projection_dim: int | None = None,
     return model
 
 
+def model_options(cfg: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """The architecture options a run config sets for its model (e.g. ``sent_lstm``'s
+    ``embedding_dim``), as sorted pairs (hashable)."""
+    name = cfg["model"]["name"]
+    return tuple(sorted((k, cfg["model"][k]) for k in _OPTIONS.get(name, ()) if k in cfg["model"]))
+
+
 def model_for(cfg: Mapping[str, Any], spec: InputSpec) -> LayeredModel:
     """The model of a run config (``model.name`` and its options)."""
-    name = cfg["model"]["name"]
-    options = {k: cfg["model"][k] for k in _OPTIONS.get(name, ()) if k in cfg["model"]}
-    return build_model(name, spec, cfg["model"].get("projection_dim"), options)
+    return build_model(cfg["model"]["name"], spec, cfg["model"].get("projection_dim"), dict(model_options(cfg)))
 
 
 def _register_schemas() -> None:
