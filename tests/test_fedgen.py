@@ -42,6 +42,17 @@ def test_teacher_loss_keeps_the_codes_broadcast_and_diversity_on_hand_cases() ->
     # diversity: two samples, d_L1(z) = 1, d_L2(ε) = 0.25 off the diagonal -> exp(-(2·0.25)/4)
     eps = torch.tensor([[0.0, 0.0], [0.5, 0.5]])
     assert float(diversity_loss(z, eps)) == pytest.approx(math.exp(-0.125))
+    # on a batch, value and gradient equal the definition written out (B × B × d differences)
+    z = torch.randn(40, 24, dtype=torch.float64, requires_grad=True)
+    eps = torch.rand(40, 7, dtype=torch.float64)
+    loss = diversity_loss(z, eps)
+    (grad,) = torch.autograd.grad(loss, z)
+    dz = (z.unsqueeze(0) - z.unsqueeze(1)).abs().mean(dim=2)
+    de = (eps.unsqueeze(0) - eps.unsqueeze(1)).pow(2).mean(dim=2)
+    reference = torch.exp(-torch.mean(dz * de))
+    (reference_grad,) = torch.autograd.grad(reference, z)
+    assert float(loss) == pytest.approx(float(reference), rel=1e-12)
+    torch.testing.assert_close(grad, reference_grad, rtol=1e-9, atol=1e-15)
 
 
 @pytest.mark.parametrize("name", IMAGE_MODEL_NAMES)
