@@ -380,11 +380,15 @@ def test_unregistered_supernode_is_refused(deployment: Deployment) -> None:
     assert deployment.nodes() == before  # never listed, let alone online
 
 
-def test_fedavg_runs_and_a_node_with_a_bad_data_path_fails_alone(deployment: Deployment) -> None:
-    out = deployment.root / "fedavg"
-    stream, run_id = deployment.run_app("fedavg", RUN_CONFIG.format(k=3, out=out))
-    # The bad node answers every train message with an error reply naming it and its problem;
-    # the server logs it and aggregates the other two.
+def test_scaffold_runs_keeps_its_control_variates_and_a_node_with_a_bad_data_path_fails_alone(deployment: Deployment) -> None:
+    """SCAFFOLD (FedAvg's round loop and aggregation, plus control variates) on the three nodes.
+    The bad node answers every train message with an error reply naming it and its problem; the
+    server logs it and aggregates the other two. Each good node's c_i lives in its SuperNode's
+    Context.state: in round 2 both report a c_i trained in round 1 (a restart would have reset
+    the count to 1). MOON's state is checked in the FedMR run below."""
+    out = deployment.root / "scaffold"
+    # SCAFFOLD's N (c += ΣΔc_i / N) is num_clients: in deployment, the federation's size (3)
+    stream, run_id = deployment.run_app("scaffold", RUN_CONFIG.format(k=3, out=out) + " strategy='scaffold'")
     bad = deployment.node_ids["bad"]
     assert re.search(rf"rejected: node {bad}: client error: NodeDataError: node data-path='{re.escape(str(deployment.bad_path))}' \(node {bad}, host [^)]*\): folder does not exist", stream), stream[-4000:]
     assert stream.count("2/3 replies accepted") == 2, stream[-4000:]
@@ -392,6 +396,8 @@ def test_fedavg_runs_and_a_node_with_a_bad_data_path_fails_alone(deployment: Dep
 
     rows = read_metrics(out)
     assert [r["round"] for r in rows] == [0, 1, 2]
+    assert [r["replies"] for r in rows[1:]] == [2, 2], stream[-4000:]
+    assert [r["control_rounds"] for r in rows[1:]] == [1.0, 2.0], rows
     assert rows[-1]["accuracy"] > 0.3, rows  # 10 classes: chance is 0.1
     for name in ("config.yaml", "final_model.pt", "learning_curve.png", "summary.json"):
         assert (out / name).stat().st_size > 0, name
@@ -424,18 +430,3 @@ def test_fedmr_runs_on_the_two_good_nodes(deployment: Deployment) -> None:
     assert rows[-1]["accuracy"] > 0.2 and rows[-1]["loss"] < rows[0]["loss"], rows
     with np.load(out / "final_models.npz") as pool:
         assert {name.split("/")[0] for name in pool.files} == {"0", "1"}  # K = 2 models kept
-
-
-def test_scaffold_keeps_its_control_variates_on_the_supernodes(deployment: Deployment) -> None:
-    """SCAFFOLD's c_i lives in each SuperNode's Context.state: in round 2 both good nodes report
-    a c_i trained in round 1 (a restart would have reset the count to 1). MOON's state is checked
-    in the FedMR run above."""
-    if deployment.procs["supernode-bad"].poll() is None:
-        deployment.stop("supernode-bad")
-    out = deployment.root / "scaffold"
-    # SCAFFOLD's N (c += ΣΔc_i / N) is num_clients: in deployment, the federation's size
-    stream, run_id = deployment.run_app("scaffold", RUN_CONFIG.format(k=2, out=out) + " strategy='scaffold' num_clients=2")
-    assert deployment.run_status(run_id) == "finished:completed", stream[-4000:]
-    rows = read_metrics(out)
-    assert [r["replies"] for r in rows[1:]] == [2, 2], stream[-4000:]
-    assert [r["control_rounds"] for r in rows[1:]] == [1.0, 2.0], rows
