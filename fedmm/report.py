@@ -57,7 +57,8 @@ from fedmm.results import SUMMARY_FILE, read_metrics
 def method_label(cfg: dict[str, Any]) -> str:
     """Readable method name of a run's config."""
     s, obj = cfg["strategy"], cfg.get("objective", {}).get("name", "ce")
-    name = {"fedavg": "FedAvg", "fedmr": "FedMR", "fedcross": "FedCross", "fedmut": "FedMut", "fedexp": "FedExP", "solo": "SOLO"}.get(s["name"], s["name"])
+    name = {"fedavg": "FedAvg", "fedmr": "FedMR", "fedcross": "FedCross", "fedmut": "FedMut", "fedexp": "FedExP", "solo": "SOLO",
+            "scaffold": "SCAFFOLD", "fedgen": "FedGen"}.get(s["name"], s["name"])
     if s["name"] == "fedmr" and s.get("partition_ratio") == 1.0:
         name = "Indep"
     extras = []
@@ -66,16 +67,26 @@ def method_label(cfg: dict[str, Any]) -> str:
     secure = s.get("secure") or {}
     if secure.get("enabled"):
         extras.append(f"secure {secure.get('mode')}, r_s {secure.get('repetitions')}" + (", padded" if secure.get("pad") else ""))
+    if s["name"] == "fedmut" and (s.get("radius"), s.get("bound")) != (4.0, 50):
+        extras.append(f"radius {s.get('radius')}, bound {s.get('bound')}")
+    if s["name"] == "fedexp" and s.get("epsilon_decay") == 1.0:
+        extras.append(f"ε {s.get('epsilon')} constant")
+    if s["name"] == "fedexp" and s.get("extrapolate_buffers"):
+        extras.append("buffers extrapolated")
     if s.get("propeller_rounds") or s.get("dynamic_alpha_rounds"):
         extras.append(f"PM {s.get('propeller_rounds', 0)} + DA {s.get('dynamic_alpha_rounds', 0)}")
     if obj != "ce":
         o = cfg["objective"]
-        client = {"fedprox": "FedProx", "fedrl": "FedRL"}.get(obj, obj)
+        client = {"fedprox": "FedProx", "fedrl": "FedRL", "scaffold": "SCAFFOLD", "moon": "MOON", "fedgen": "FedGen"}.get(obj, obj)
         if obj == "asam":
             client = "FedASAM" if o.get("adaptive") else "FedSAM"
             if o.get("adaptive") and (o.get("rho"), o.get("eta")) != (0.7, 0.2):
                 client += f" (ρ {o.get('rho')}, η {o.get('eta')})"
-        name = client + ("" if s["name"] == "fedavg" else f" ({name})")
+        if obj == "scaffold" and s.get("weighting") == "examples":
+            client += " (lab)"
+        if obj == "fedgen" and s.get("optimizer") == "persistent":
+            client += " (original)"
+        name = client + ("" if s["name"] in ("fedavg", obj) else f" ({name})")
     sel = cfg.get("selection") or {"name": "uniform"}
     if sel["name"] == "clustered":
         clusamp = "CluSamp" + (" (FedMR port)" if sel.get("mode") == "fedmr_port" else "")
@@ -344,13 +355,15 @@ def plot_settings(runs: list[dict[str, Any]], folder: Path) -> list[Path]:
 PAPER_MODELS = {"cnn": "CNN", "lenet": "CNN", "resnet20": "ResNet-20", "resnet20-preact": "ResNet-20", "vgg16": "VGG-16"}
 PAPER_DATASETS = {"cifar10": "CIFAR-10", "cifar100": "CIFAR-100", "femnist": "FEMNIST", "mnist": "MNIST",
                   "fashion_mnist": "FashionMNIST"}
-#: :func:`method_label` -> the papers' column. The FedMR authors' ports (CluSamp, FedASAM with
-#: ρ 0.1, η 0) are what the FedMR papers ran; other variants need ``--map``.
+#: :func:`method_label` -> the papers' column: each method's presets (the original's and the
+#: FedMR authors' port); other variants need ``--map``.
 PAPER_METHODS = {
-    "FedAvg": "FedAvg", "FedProx": "FedProx", "FedGen": "FedGen", "fedgen (fedgen)": "FedGen",
-    "CluSamp": "CluSamp", "CluSamp (FedMR port)": "CluSamp", "FedExP": "FedExP", "FedASAM": "FedASAM",
-    "FedASAM (ρ 0.1, η 0.0)": "FedASAM", "FedMut": "FedMut", "FedMR": "FedMR", "SCAFFOLD": "SCAFFOLD",
-    "scaffold (scaffold)": "SCAFFOLD", "MOON": "MOON", "moon": "MOON", "SOLO": "SOLO", "FedRL": "FedRL",
+    "FedAvg": "FedAvg", "FedProx": "FedProx", "FedGen": "FedGen", "FedGen (original)": "FedGen",
+    "CluSamp": "CluSamp", "CluSamp (FedMR port)": "CluSamp", "FedExP": "FedExP",
+    "FedExP (ε 0.1 constant, buffers extrapolated)": "FedExP", "FedASAM": "FedASAM",
+    "FedASAM (ρ 0.1, η 0.0)": "FedASAM", "FedMut": "FedMut", "FedMut (radius 5.0, bound 100)": "FedMut",
+    "FedMR": "FedMR", "SCAFFOLD": "SCAFFOLD", "SCAFFOLD (lab)": "SCAFFOLD", "MOON": "MOON", "SOLO": "SOLO",
+    "FedRL": "FedRL",
 }
 _MAP_KINDS = ("model", "dataset", "method")
 

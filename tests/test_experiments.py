@@ -417,7 +417,7 @@ def test_first_round_of_every_method_variant_of_any_grid(tiny_data: dict[str, Pa
         if variant not in cheapest or MODEL_COST[cfg["model"]["name"]] < MODEL_COST[cheapest[variant][2]["model"]["name"]]:
             cheapest[variant] = (name, point, cfg)
     labels = {method_label(cfg) for _, _, cfg in cheapest.values()}
-    assert {"FedAvg", "FedMR", "FedCross", "FedMR (first stage 20)", "SOLO", "FedRL", "moon"} <= labels
+    assert {"FedAvg", "FedMR", "FedCross", "FedMR (first stage 20)", "SOLO", "FedRL", "MOON"} <= labels
     for name, point, cfg in cheapest.values():
         try:
             run_first_round(cfg, tiny_data, num_clients=3, per_round=2)

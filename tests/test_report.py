@@ -54,6 +54,11 @@ def test_method_labels() -> None:
     assert label("strategy=fedasam_fedmr_repo") == "FedASAM (ρ 0.1, η 0.0)"
     assert label("strategy=fedmr", "strategy.secure.enabled=true") == "FedMR (secure both, r_s 2)"
     assert label("strategy=fedmr", "strategy.secure.enabled=false") == "FedMR"
+    assert label("strategy=scaffold") == "SCAFFOLD" and label("strategy=scaffold_lab") == "SCAFFOLD (lab)"
+    assert label("strategy=moon") == "MOON" and label("strategy=fedmr", "objective=moon") == "MOON (FedMR)"
+    assert label("strategy=fedgen") == "FedGen" and label("strategy=fedgen_original") == "FedGen (original)"
+    assert label("strategy=fedmut_fedmr_repo") == "FedMut (radius 5.0, bound 100)"
+    assert label("strategy=fedexp_fedmr_repo") == "FedExP (ε 0.1 constant, buffers extrapolated)"
 
 
 def test_rounds_to_reach_and_summary(tmp_path: Path) -> None:
