@@ -311,12 +311,12 @@ def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
     import numpy as np
     import torch
 
-    from client_app.local_update import build_local_update
-    from client_app.training import train
-    from fedmm.data import input_spec, load_dataset, load_partition, partition_indices
-    from client_content import content_for
     from flwr.app import RecordDict
 
+    from client_app.local_update import build_local_update
+    from client_app.training import train
+    from client_content import content_for  # bench/client_content.py
+    from fedmm.data import input_spec, load_dataset, load_partition, partition_indices
     from fedmm.evaluation import evaluate, resolve_device
     from fedmm.models import model_for
     from server_app.runner import seed_everything
