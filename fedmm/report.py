@@ -247,9 +247,11 @@ def summarise(runs: list[dict[str, Any]], reference: str | None) -> tuple[str, d
         if (part, method, setting) in by_setting:  # two groups with one label: show the group key
             setting = f"{setting} [{len(by_setting)}]"
         by_setting[(part, method, setting)] = group
-    lines = ["| partition | method | setting | n | final acc. (%) | best acc. (%) | MB sent / round | seconds / round |"
+    with_setting = any(setting != "—" for _, _, setting in by_setting)  # else no setting column
+    lines = ["| partition | method |" + (" setting |" if with_setting else "")
+             + " n | final acc. (%) | best acc. (%) | MB sent / round | seconds / round |"
              + (f" rounds to {reference}'s final acc. | speed-up |" if reference else ""),
-             "|---|---|---|---|---|---|---|---|" + ("---|---|" if reference else "")]
+             "|---|---|" + ("---|" if with_setting else "") + "---|---|---|---|---|" + ("---|---|" if reference else "")]
     data = {}
     for (part, method, setting), group in sorted(by_setting.items()):
         final = np.array([final_accuracy(g) for g in group])
@@ -257,7 +259,7 @@ def summarise(runs: list[dict[str, Any]], reference: str | None) -> tuple[str, d
         last = group[0]["rows"][-1]
         mb_round = last["bytes_sent"] / last["round"] / 2**20
         sec_round = np.mean([seconds_per_round(g) for g in group])
-        row = (f"| {part} | {method} | {setting} | {len(group)} | {_mean_std(final)} | {_mean_std(best)} "
+        row = (f"| {part} | {method} |" + (f" {setting} |" if with_setting else "") + f" {len(group)} | {_mean_std(final)} | {_mean_std(best)} "
                f"| {mb_round:.2f} | {sec_round:.1f} |")
         entry = {"final": final.tolist(), "best": best.tolist(), "n": len(group), "mb_per_round": mb_round,
                  "seconds_per_round": sec_round}

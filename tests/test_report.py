@@ -76,6 +76,7 @@ def test_rounds_to_reach_and_summary(tmp_path: Path) -> None:
     assert data["Dir(0.5) / FedAvg"]["final"] == [70.0]
     assert data["Dir(0.5) / FedMR"]["rounds_to_reference"] == [1]  # reaches FedAvg's 0.7 in round 1
     assert "3.00×" in table  # 3 rounds of FedAvg vs 1 of FedMR
+    assert table.startswith("| partition | method | n |")  # nothing else differs: no setting column
     assert data["Dir(0.5) / FedMR"]["mb_per_round"] == 1.0
 
 
@@ -93,6 +94,7 @@ def test_runs_that_differ_in_any_key_are_never_averaged_and_failed_runs_are_refu
     assert a["n"] == 2 and a["final"] == [60.0, 80.0]
     assert a["best"] == [60.0, 80.0]  # round 0's 90 % does not count as "best"
     assert "70.00 ± 14.14" in table  # sample std (ddof = 1): |80 - 60| / sqrt(2)
+    assert "| Dir(0.5) | FedAvg | training.lr=0.05 | 1 |" in table
 
     # a key that only one method sets (CluSamp's selector) is said by the method column, and the
     # method is still measured against FedAvg; a key that varies within a method stays named
