@@ -288,12 +288,14 @@ def _draw_curves(ax: Any, runs: list[dict[str, Any]]) -> None:
         if label in labels:  # same label, other config: never one curve
             label = f"{label} [{len(labels)}]"
         labels[label] = group
-    for label, group in sorted(labels.items()):
+    for index, (label, group) in enumerate(sorted(labels.items())):
         common = set.intersection(*({r["round"] for r in g["rows"]} for g in group))
         rounds = sorted(common)
         accs = np.array([[100 * r["accuracy"] for r in g["rows"] if r["round"] in common] for g in group])
         mean = accs.mean(axis=0)
-        (line,) = ax.plot(rounds, mean, label=f"{label} (n={len(group)})")
+        # ten colours, then the same colours dashed, dotted, ...: no two curves look alike
+        style = ("-", "--", ":", "-.")[(index // 10) % 4]
+        (line,) = ax.plot(rounds, mean, style, color=f"C{index % 10}", label=f"{label} (n={len(group)})")
         if len(group) > 1:
             std = accs.std(axis=0, ddof=1)
             ax.fill_between(rounds, mean - std, mean + std, color=line.get_color(), alpha=0.2, linewidth=0)
