@@ -54,11 +54,15 @@ from fedmm.paper_numbers import PAPER_TABLES, PaperTable, PaperValue, Setting
 from fedmm.results import SUMMARY_FILE, read_metrics
 
 
+#: Strategy and client-objective names as the papers write them.
+_NAMES = {"fedavg": "FedAvg", "fedmr": "FedMR", "fedcross": "FedCross", "fedmut": "FedMut", "fedexp": "FedExP", "solo": "SOLO",
+          "scaffold": "SCAFFOLD", "fedgen": "FedGen", "fedprox": "FedProx", "fedrl": "FedRL", "moon": "MOON"}
+
+
 def method_label(cfg: dict[str, Any]) -> str:
     """Readable method name of a run's config."""
     s, obj = cfg["strategy"], cfg.get("objective", {}).get("name", "ce")
-    name = {"fedavg": "FedAvg", "fedmr": "FedMR", "fedcross": "FedCross", "fedmut": "FedMut", "fedexp": "FedExP", "solo": "SOLO",
-            "scaffold": "SCAFFOLD", "fedgen": "FedGen"}.get(s["name"], s["name"])
+    name = _NAMES.get(s["name"], s["name"])
     if s["name"] == "fedmr" and s.get("partition_ratio") == 1.0:
         name = "Indep"
     extras = []
@@ -77,7 +81,7 @@ def method_label(cfg: dict[str, Any]) -> str:
         extras.append(f"PM {s.get('propeller_rounds', 0)} + DA {s.get('dynamic_alpha_rounds', 0)}")
     if obj != "ce":
         o = cfg["objective"]
-        client = {"fedprox": "FedProx", "fedrl": "FedRL", "scaffold": "SCAFFOLD", "moon": "MOON", "fedgen": "FedGen"}.get(obj, obj)
+        client = _NAMES.get(obj, obj)
         if obj == "asam":
             client = "FedASAM" if o.get("adaptive") else "FedSAM"
             if o.get("adaptive") and (o.get("rho"), o.get("eta")) != (0.7, 0.2):
