@@ -1,5 +1,5 @@
 """End-to-end overhead of the Flower simulation: the same client work run (a) through the app
-on Flower's simulation engine (``fedmm.cli.run_job``, Ray backend) and (b) as a plain
+on Flower's simulation engine (``launch.cli.run_job``, Ray backend) and (b) as a plain
 sequential PyTorch loop in one process that reuses the app's own pieces.
 
     python bench/e2e_overhead.py                                  # the app's default config, 5 rounds
@@ -61,9 +61,6 @@ def num_cores() -> int:
 def compose_cfg(args: argparse.Namespace, strategy: str, client_cpus: float, output_dir: Path) -> dict[str, Any]:
     """The resolved run config of one measurement (the app's defaults plus the options)."""
     from fedmm import config as config_mod
-    from fedmm.cli import register_schemas
-
-    register_schemas()
 
     overrides = [f"strategy={strategy}", f"num_rounds={args.rounds}", f"seed={args.seed}",
                  f"output_dir={output_dir}", f"simulation.client_cpus={client_cpus}"]
@@ -208,7 +205,7 @@ def child_flower(spec: dict[str, Any]) -> dict[str, Any]:
     import torch  # noqa: F401
 
     import client_app.client_app  # noqa: F401
-    from fedmm.cli import run_job
+    from launch.cli import run_job
     from fedmm.results import read_metrics
 
     cfg = spec["cfg"]
@@ -313,7 +310,7 @@ def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
 
     from flwr.app import RecordDict
 
-    from client_app.local_update import build_local_update
+    from objectives.base import build_local_update
     from client_app.training import train
     from client_content import content_for  # bench/client_content.py
     from fedmm.data import input_spec, load_dataset, load_partition, partition_indices
@@ -484,7 +481,7 @@ def child_anchor(spec: dict[str, Any]) -> dict[str, Any]:
     from flwr.serverapp.strategy import fedavg as fedavg_module
     from flwr.simulation import run_simulation
 
-    from fedmm.cli import backend_config
+    from launch.cli import backend_config
     from fedmm.data import input_spec, load_dataset, partition_indices
     from fedmm.evaluation import evaluate, resolve_device
     from fedmm.models import build_model

@@ -86,11 +86,9 @@ def run_strategy(strategy: str, root: Path) -> list[dict]:
     from flwr.serverapp import Grid, ServerApp
     from flwr.simulation import run_simulation
 
-    from fedmm.cli import backend_config, register_schemas
+    from launch.cli import backend_config
     from fedmm.config import compose, to_container
     from server_app.runner import run_experiment
-
-    register_schemas()
     cfgs = [
         to_container(compose([
             f"strategy={strategy}", "num_clients=10", "clients_per_round=5", "num_rounds=2", "training.local_epochs=1",

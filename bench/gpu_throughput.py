@@ -88,7 +88,7 @@ def _stand_in_for_omegaconf() -> list[str]:
 def _app() -> types.SimpleNamespace:
     """The app's pieces the benchmark runs (imported here, in every client process)."""
     stand_ins = _stand_in_for_omegaconf()
-    from client_app.local_update import build_local_update
+    from objectives.base import build_local_update
     from client_app.training import train_epochs
     from fedmm.config import CONF_DIR
     from fedmm.data.spec import InputSpec
@@ -101,30 +101,11 @@ def _app() -> types.SimpleNamespace:
     )
 
 
-def _read_flat_yaml(path: Path) -> dict[str, Any]:
-    """A flat ``key: value`` YAML file (PyYAML when installed, else a literal parse per line)."""
-    try:
-        import yaml
-    except ImportError:
-        out: dict[str, Any] = {}
-        for line in path.read_text(encoding="utf-8").splitlines():
-            line = line.split("#", 1)[0].rstrip()
-            if not line.strip():
-                continue
-            if line[0].isspace() or ":" not in line:
-                raise ValueError(f"{path}: not a flat key: value file ({line!r}); install PyYAML")
-            key, _, value = line.partition(":")
-            try:
-                out[key.strip()] = ast.literal_eval(value.strip())
-            except (ValueError, SyntaxError):
-                out[key.strip()] = value.strip()
-        return out
-    return dict(yaml.safe_load(path.read_text(encoding="utf-8")))
-
-
 def training_config(conf_dir: Path, epochs: int, batch_size: int | None) -> dict[str, Any]:
-    """``conf/training/default.yaml`` with ``local_epochs`` (and ``batch_size``) replaced."""
-    training = _read_flat_yaml(conf_dir / "training" / "default.yaml")
+    """The declared training defaults with ``local_epochs`` (and ``batch_size``) replaced."""
+    from fedmm.training import TrainingSettings
+
+    training = TrainingSettings().to_dict()
     training["local_epochs"] = int(epochs)
     if batch_size is not None:
         training["batch_size"] = int(batch_size)

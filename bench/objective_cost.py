@@ -25,9 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import client_app.local_update  # noqa: E402,F401 - registers the objective schemas
 import strategies  # noqa: E402,F401 - registers the strategy schemas
-from client_app.local_update import build_local_update  # noqa: E402
+from objectives.base import build_local_update  # noqa: E402
 from client_app.training import train  # noqa: E402
 from fedmm.config import compose, to_container  # noqa: E402
 from fedmm.data import input_spec, load_dataset, load_partition  # noqa: E402

@@ -1,5 +1,5 @@
 """Scale: one simulation with many clients (default N = 1,000, K = 100 per round) on a small
-model, through the app's own entry point (``fedmm.cli.run_job``, Ray backend). Reports whether
+model, through the app's own entry point (``launch.cli.run_job``, Ray backend). Reports whether
 it completes, seconds per round, start-up time, and the peak memory of the server process and
 of the whole run (the server plus every Ray process it started).
 
@@ -307,7 +307,7 @@ def child_scale(spec: dict[str, Any]) -> dict[str, Any]:
     import torch  # noqa: F401
 
     import client_app.client_app  # noqa: F401
-    from fedmm.cli import run_job
+    from launch.cli import run_job
     from fedmm.models import build_model
     from fedmm.results import METRICS_FILE, read_metrics
 
@@ -406,9 +406,6 @@ def write_synthetic_cifar(folder: Path, num_train: int, num_test: int = 100) -> 
 
 def compose_cfg(args: argparse.Namespace, strategy: str, output_dir: Path) -> dict[str, Any]:
     from fedmm import config as config_mod
-    from fedmm.cli import register_schemas
-
-    register_schemas()
 
     overrides = [f"strategy={strategy}", f"num_clients={args.num_clients}", f"clients_per_round={args.clients_per_round}",
                  f"num_rounds={args.rounds}", f"seed={args.seed}", f"model={args.model}", f"partition={args.partition}",

@@ -200,7 +200,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from flwr.app import ConfigRecord
 
     from fedmm import protocol
-    from fedmm.cli import register_schemas
     from fedmm.config import compose, to_container
     from fedmm.layers import layer_units
     from fedmm.secure import LayerCodec
@@ -213,7 +212,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from flwr.supercore.task_identity import TaskIdentity
 
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1  # messages built outside a Flower run
-    register_schemas()
     cfg = to_container(compose([
         "strategy=fedmr", f"num_clients={args.clients}", f"clients_per_round={args.clients}", f"seed={args.seed}",
         f"training.local_epochs={args.epochs}", f"partition.alpha={args.alpha}",

@@ -1,7 +1,7 @@
 """The local training loop of a client (plain PyTorch, no Flower types).
 
 What a method changes (loss, optimizer step, state, extra records) comes in through its
-local-update plugin (:mod:`client_app.local_update`); this loop stays the same for all.
+client objective (:mod:`objectives`); this loop stays the same for all.
 
 The module imports no Flower: :func:`train_epochs` is the loop itself (``bench/gpu_throughput.py``
 runs it on a machine with PyTorch only); :func:`train` adds the reply's metric names from
@@ -17,14 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from client_app.local_update import LocalUpdate
+from fedmm.training import round_lr
+from objectives.base import LocalUpdate
 from fedmm.data import TensorData, batches
-
-
-def round_lr(training: Mapping[str, Any], server_round: int) -> float:
-    """Learning rate of a round: ``lr`` times ``lr_decay_factor`` per passed decay round."""
-    passed = sum(1 for r in training["lr_decay_rounds"] if server_round >= r)
-    return float(training["lr"]) * float(training["lr_decay_factor"]) ** passed
 
 
 def train_epochs(

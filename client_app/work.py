@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord
 
-from client_app.local_update import build_local_update
+from objectives.base import build_local_update
 from client_app.node_data import DATA_PATH_KEY, NodeDataError, load_node_data
 from client_app.training import train as train_model
 from fedmm import protocol

@@ -19,18 +19,38 @@ registers their schemas. Unknown keys at any depth are errors naming the nearest
 from __future__ import annotations
 
 import copy
+import dataclasses
 import difflib
 import json
-import math
 import os
 import shlex
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from fedmm.errors import ConfigError
+from fedmm.training import TrainingSettings
+from fedmm.settings import (  # noqa: F401 - the rules, re-exported
+    AnyValue,
+    Bool,
+    Choice,
+    Int,
+    ListOf,
+    MapOf,
+    Nullable,
+    Number,
+    OtherSettings,
+    Rule,
+    Settings,
+    Str,
+    discover,
+    is_int,
+    is_number,
+    setting,
+)
 
 
 def _find_conf_dir() -> Path:
@@ -54,225 +74,19 @@ SCALAR_KEYS = (
 OTHER_KEYS = ("round_timeout", "results_root", "max_failed_rounds", "min_nodes_timeout")
 
 
-# =============================================================================== schema
-class Field:
-    """One config value's rule: ``check(key, value)`` raises :class:`ConfigError` or passes."""
-
-    allowed = "a value"
-
-    def ok(self, value: Any) -> bool:  # pragma: no cover - every field overrides it
-        raise NotImplementedError
-
-    def check(self, key: str, value: Any) -> None:
-        if not self.ok(value):
-            raise ConfigError(key, value, self.allowed)
+# =============================================================================== settings
+# The rules live in fedmm.settings (the ground); re-exported for the modules that import them here.
+Field = Rule
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-class Int(Field):
-    """An integer, optionally bounded (inclusive)."""
-
-    def __init__(self, min: int | None = None, max: int | None = None, allowed: str | None = None) -> None:  # noqa: A002
-        self.min, self.max = min, max
-        if allowed:
-            self.allowed = allowed
-        elif min is not None and max is not None:
-            self.allowed = f"an integer from {min} to {max}"
-        elif min is not None:
-            self.allowed = f"an integer >= {min}"
-        else:
-            self.allowed = "an integer"
-
-    def ok(self, value: Any) -> bool:
-        return _is_int(value) and (self.min is None or value >= self.min) and (self.max is None or value <= self.max)
-
-
-class Number(Field):
-    """A finite number; ``gt``/``ge``/``lt``/``le`` bound it."""
-
-    def __init__(self, gt: float | None = None, ge: float | None = None, lt: float | None = None, le: float | None = None,
-                 allowed: str | None = None) -> None:
-        self.gt, self.ge, self.lt, self.le = gt, ge, lt, le
-        if allowed:
-            self.allowed = allowed
-        elif (gt is not None or ge is not None) and (lt is not None or le is not None):
-            low = f"({gt}" if gt is not None else f"[{ge}"
-            high = f"{lt})" if lt is not None else f"{le}]"
-            self.allowed = f"a number in {low}, {high}"
-        elif gt is not None:
-            self.allowed = f"a number > {gt}"
-        elif ge is not None:
-            self.allowed = f"a number >= {ge}"
-        else:
-            self.allowed = "a number"
-
-    def ok(self, value: Any) -> bool:
-        return _is_number(value) and (
-            (self.gt is None or value > self.gt)
-            and (self.ge is None or value >= self.ge)
-            and (self.lt is None or value < self.lt)
-            and (self.le is None or value <= self.le)
-        )
-
-
-class Choice(Field):
-    """One of the listed values."""
-
-    def __init__(self, *options: Any) -> None:
-        self.options = options
-        self.allowed = ", ".join(str(o) for o in options)
-
-    def ok(self, value: Any) -> bool:
-        return any(value == o and type(value) is type(o) for o in self.options)
-
-
-class Bool(Field):
-    allowed = "true or false"
-
-    def ok(self, value: Any) -> bool:
-        return isinstance(value, bool)
-
-
-class Str(Field):
-    allowed = "a string"
-
-    def ok(self, value: Any) -> bool:
-        return isinstance(value, str)
-
-
-class Nullable(Field):
-    """``null`` or what ``inner`` allows."""
-
-    def __init__(self, inner: Field, allowed: str | None = None) -> None:
-        self.inner = inner
-        self.allowed = allowed or f"null or {inner.allowed}"
-
-    def ok(self, value: Any) -> bool:
-        return value is None or self.inner.ok(value)
-
-
-class ListOf(Field):
-    """A list whose items ``inner`` allows."""
-
-    def __init__(self, inner: Field, allowed: str | None = None) -> None:
-        self.inner = inner
-        self.allowed = allowed or f"a list of {inner.allowed}"
-
-    def ok(self, value: Any) -> bool:
-        return isinstance(value, (list, tuple)) and all(self.inner.ok(v) for v in value)
-
-
-class MapOf(Field):
-    """A mapping from names to values that ``inner`` allows."""
-
-    def __init__(self, inner: Field, allowed: str | None = None) -> None:
-        self.inner = inner
-        self.allowed = allowed or f"a mapping of names to {inner.allowed}"
-
-    def ok(self, value: Any) -> bool:
-        return isinstance(value, Mapping) and all(isinstance(k, str) and self.inner.ok(v) for k, v in value.items())
-
-
-class AnyValue(Field):
-    """Anything (checked elsewhere, e.g. by a group checker)."""
-
-    allowed = "any value"
-
-    def ok(self, value: Any) -> bool:
-        return True
-
-
-#: A group's schema: key -> Field. A callable checker may follow (cross-key rules).
-Schema = Mapping[str, Field]
-Checker = Callable[[Mapping[str, Any], Mapping[str, Any]], None]
-
-
-def check_keys(prefix: str, values: Mapping[str, Any], schema: Schema) -> None:
-    """Unknown keys name the nearest valid one; missing keys are errors; each field is checked."""
-    for key in values:
-        if key not in schema:
-            near = difflib.get_close_matches(str(key), list(schema), n=1)
-            hint = f"; did you mean {prefix}{near[0]}?" if near else ""
-            allowed = ", ".join(schema) or "no keys"
-            raise ConfigError(f"{prefix}{key}", values[key], f"the keys of {prefix.rstrip('.') or 'the config'}: {allowed}{hint}")
-    for key, field in schema.items():
-        if key not in values:
-            raise ConfigError(f"{prefix}{key}", None, f"a value (the key is missing; {field.allowed})")
-        field.check(f"{prefix}{key}", values[key])
-
-
-class _GroupRule:
-    def __init__(self, schema: Schema, checker: Checker | None) -> None:
-        self.schema = dict(schema)
-        self.checker = checker
-
-
-#: (group, option name) -> rule. Filled by :func:`register_schema`.
-_REGISTRY: dict[tuple[str, str], _GroupRule] = {}
-
-
-def register_schema(group: str, name: str, schema: Schema, checker: Checker | None = None) -> None:
-    """Declare the keys of option ``name`` of config group ``group``.
-
-    ``schema`` lists every key besides ``name`` with its rule; ``checker(group_values, cfg)``
-    runs afterwards for rules that span keys or groups. Called by the module that owns the
-    option, next to the code it configures.
-    """
-    _REGISTRY[(group, name)] = _GroupRule(schema, checker)
-
-
-def registered_names(group: str) -> list[str]:
-    """The option names registered for ``group``."""
-    return sorted(name for g, name in _REGISTRY if g == group)
-
-
-# ----------------------------------------------------------------------- run-level schemas
-_TOP_SCHEMA: dict[str, Field] = {
-    "num_rounds": Int(min=1),
-    "seed": Int(min=0),
-    "eval_every": Int(min=1),
-    "num_clients": Int(min=1),
-    "clients_per_round": AnyValue(),  # bounded by num_clients, checked below
-    "round_timeout": Number(gt=0, allowed="seconds > 0"),
-    "max_failed_rounds": Int(min=0, allowed="an integer >= 0 (0: never stop for lack of replies)"),
-    "min_nodes_timeout": Number(ge=0, allowed="seconds >= 0 to wait for enough SuperNodes (0: forever)"),
-    "results_root": Str(),
-    "output_dir": Nullable(Str(), "null or a directory path"),
-    "checkpoint_every": Int(min=0, allowed="an integer >= 0 (0: only at the end)"),
-    "resume": Nullable(Str(), "null or the directory of a run to continue"),
-}
-
-_TRAINING_SCHEMA: dict[str, Field] = {
-    "lr": Number(gt=0),
-    "momentum": Number(ge=0, lt=1),
-    "weight_decay": Number(ge=0),
-    "local_epochs": Int(min=1),
-    "batch_size": Int(min=1),
-    "lr_decay_rounds": ListOf(Int(min=1), "a list of rounds >= 1"),
-    "lr_decay_factor": Number(gt=0, le=1),
-    "device": Choice("auto", "cpu", "cuda"),
-}
-
-
-def _gpus_ok(value: Any) -> bool:
-    return (_is_number(value) and 0 <= value <= 1) or (_is_int(value) and value >= 0)
-
-
-class _Gpus(Field):
+class _Gpus(Rule):
     allowed = "a GPU fraction in [0, 1] (or a whole number of GPUs)"
 
     def ok(self, value: Any) -> bool:
-        return _gpus_ok(value)
+        return (is_number(value) and 0 <= value <= 1) or (is_int(value) and value >= 0)
 
 
-class _RayAddress(Field):
+class _RayAddress(Rule):
     allowed = ("null (fedmm starts a local Ray), auto, or the host:port of a running Ray head "
                "(its GCS, `ray start --head --port=6379`), e.g. 127.0.0.1:6379")
 
@@ -306,41 +120,170 @@ def _ray_init_parameters() -> set[str] | None:
                      "_tracing_startup_hook", "_node_name", "_skip_env_hook"}
 
 
-def _check_ray_init_args(sim: Mapping[str, Any]) -> None:
-    """``simulation.ray_init_args``: ray.init keyword arguments that fit ``simulation.ray_address``."""
-    args, address = sim["ray_init_args"], sim["ray_address"]
-    for name in args:
-        key = f"simulation.ray_init_args.{name}"
-        if name == "address":
-            raise ConfigError(key, args[name], "no value here: set simulation.ray_address instead")
-        if address is None and name == "runtime_env":
-            raise ConfigError(key, args[name], "no value without simulation.ray_address (Flower's own ray.init "
-                              "sets runtime_env itself; a local Ray sees this machine's files anyway)")
-        if address is not None and name in RAY_ATTACH_REFUSED:
-            raise ConfigError(key, args[name], "no value when attaching to a cluster (simulation.ray_address is set): "
-                              "a cluster's resources come from `ray start --num-cpus/--num-gpus/--resources` on each node")
-    params = _ray_init_parameters() if args else None
-    if params is not None:
+@dataclass
+class SimulationSettings(Settings):
+    """Flower's simulation engine (Ray backend) as fedmm runs it; flwr run takes these from
+    --federation-config instead (docs/usage.md)."""
+
+    group = "simulation"
+    option = "default"
+    keyed = False
+    added = {"ray_address": None, "ray_init_args": {}}
+    num_supernodes: int = setting(20, Int(min=1), "virtual SuperNodes (= num_clients)", node="${num_clients}")
+    client_cpus: float = setting(1, Number(gt=0), "CPU cores reserved per ClientApp")
+    client_gpus: float = setting(0.0, _Gpus(), "GPU fraction per ClientApp (0.25: four clients share one GPU)")
+    ray_address: str | None = setting(None, _RayAddress(), "null: a local Ray per job; host:port or auto: attach to a "
+                                      "running Ray cluster (docs/ray_cluster.md)")
+    ray_init_args: dict = setting({}, MapOf(AnyValue(), "a mapping of ray.init keyword arguments to values ({} for none)"),
+                                  "further ray.init keyword arguments (e.g. {namespace: fedmm})")
+
+    def check_values(self, prefix: str) -> None:
+        """``ray_init_args``: ray.init keyword arguments that fit ``ray_address``."""
+        args, address = self.ray_init_args, self.ray_address
         for name in args:
-            if name not in params:
-                near = difflib.get_close_matches(name, sorted(params), n=1)
-                hint = f"; did you mean simulation.ray_init_args.{near[0]}?" if near else ""
-                raise ConfigError(f"simulation.ray_init_args.{name}", args[name], f"a keyword argument of ray.init{hint}")
+            key = f"{prefix}ray_init_args.{name}"
+            if name == "address":
+                raise ConfigError(key, args[name], "no value here: set simulation.ray_address instead")
+            if address is None and name == "runtime_env":
+                raise ConfigError(key, args[name], "no value without simulation.ray_address (Flower's own ray.init "
+                                  "sets runtime_env itself; a local Ray sees this machine's files anyway)")
+            if address is not None and name in RAY_ATTACH_REFUSED:
+                raise ConfigError(key, args[name], "no value when attaching to a cluster (simulation.ray_address is set): "
+                                  "a cluster's resources come from `ray start --num-cpus/--num-gpus/--resources` on each node")
+        params = _ray_init_parameters() if args else None
+        if params is not None:
+            for name in args:
+                if name not in params:
+                    near = difflib.get_close_matches(name, sorted(params), n=1)
+                    hint = f"; did you mean {prefix}ray_init_args.{near[0]}?" if near else ""
+                    raise ConfigError(f"{prefix}ray_init_args.{name}", args[name], f"a keyword argument of ray.init{hint}")
 
 
-_SIMULATION_SCHEMA: dict[str, Field] = {
-    "num_supernodes": Int(min=1),
-    "client_cpus": Number(gt=0),
-    "client_gpus": _Gpus(),
-    "ray_address": _RayAddress(),
-    "ray_init_args": MapOf(AnyValue(), "a mapping of ray.init keyword arguments to values ({} for none)"),
-}
+@dataclass
+class RunSettings(Settings):
+    """The run-level keys; a validated run also holds the settings of every config group.
+
+    What the runner and both apps pass around (run.strategy.alpha, run.training.lr); to_dict()
+    is the resolved config that config.yaml and the clients' config record hold.
+    """
+
+    keyed = False
+    num_rounds: int = setting(20, Int(min=1), "communication rounds")
+    seed: int = setting(0, Int(min=0), "seeds partitioning, model init, client sampling and local shuffling")
+    eval_every: int = setting(1, Int(min=1), "evaluate the global model every n rounds (and after the last)")
+    num_clients: int = setting(20, Int(min=1), "N: clients in the federation (= SuperNodes in simulation)")
+    clients_per_round: int = setting(10, Int(min=1), "K: clients sampled per round (= models kept by FedMR / FedCross)")
+    checkpoint_every: int = setting(5, Int(min=0, allowed="an integer >= 0 (0: only at the end)"),
+                                    "write checkpoint.pt every n rounds (and after the last)")
+    resume: str | None = setting(None, Nullable(Str(), "null or the directory of a run to continue"),
+                                 "a run directory to continue from its checkpoint")
+    max_failed_rounds: int = setting(3, Int(min=0, allowed="an integer >= 0 (0: never stop for lack of replies)"),
+                                     "stop as failed after this many consecutive rounds with no accepted reply")
+    min_nodes_timeout: float = setting(600, Number(ge=0, allowed="seconds >= 0 to wait for enough SuperNodes (0: forever)"),
+                                       "seconds to wait for clients_per_round SuperNodes to connect")
+    round_timeout: float = setting(3600, Number(gt=0, allowed="seconds > 0"), "seconds to wait for the replies of one round")
+    results_root: str = setting("~/fedmm-results", Str(), "`flwr run` results go to <results_root>/<timestamp>_...")
+    output_dir: str | None = setting(None, Nullable(Str(), "null or a directory path"), "write into this exact directory")
+    objective: Settings = field(default=None)  # type: ignore[assignment]
+    selection: Settings = field(default=None)  # type: ignore[assignment]
+    strategy: Settings = field(default=None)  # type: ignore[assignment]
+    dataset: Settings = field(default=None)  # type: ignore[assignment]
+    partition: Settings = field(default=None)  # type: ignore[assignment]
+    model: Settings = field(default=None)  # type: ignore[assignment]
+    training: TrainingSettings = field(default=None)  # type: ignore[assignment]
+    simulation: SimulationSettings = field(default=None)  # type: ignore[assignment]
+
+    @classmethod
+    def settings_fields(cls) -> list[dataclasses.Field]:
+        return [f for f in fields(cls) if f.init and f.name not in GROUPS]
+
+    @classmethod
+    def hydra_node(cls) -> dict[str, Any]:
+        """The run-level keys' defaults (the groups are chosen by the defaults list)."""
+        return Settings.to_dict(cls())
+
+    def to_dict(self) -> dict[str, Any]:
+        out = super().to_dict()
+        for group in GROUPS:
+            value = getattr(self, group)
+            out[group] = value.to_dict() if isinstance(value, Settings) else copy.deepcopy(value)
+        return out
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key not in self.__dataclass_fields__:
+            raise KeyError(key)
+        setattr(self, key, value)
+
+    def keys(self) -> list[str]:
+        return [f.name for f in self.settings_fields()] + list(GROUPS)
+
+
+#: Settings of the run-level groups (one declaration each; their yaml files are presets).
+RUN_GROUPS: dict[str, type[Settings]] = {"training": TrainingSettings, "simulation": SimulationSettings}
+#: Groups whose options a ClientApp reads (its process loads no server code: the strategy and
+#: selection settings reach it as sent, unvalidated).
+CLIENT_GROUPS = ("objective", "dataset", "partition", "model", "training", "simulation")
+
+
+def check_keys(prefix: str, values: Mapping[str, Any], schema: Mapping[str, Rule]) -> None:
+    """Unknown keys name the nearest valid one; missing keys are errors; each value is checked."""
+    for key in values:
+        if key not in schema:
+            near = difflib.get_close_matches(str(key), list(schema), n=1)
+            hint = f"; did you mean {prefix}{near[0]}?" if near else ""
+            allowed = ", ".join(schema) or "no keys"
+            raise ConfigError(f"{prefix}{key}", values[key], f"the keys of {prefix.rstrip('.') or 'the config'}: {allowed}{hint}")
+    for key, rule in schema.items():
+        if key not in values:
+            raise ConfigError(f"{prefix}{key}", None, f"a value (the key is missing; {rule.allowed})")
+        rule.check(f"{prefix}{key}", values[key])
+
+
+def options(group: str) -> dict[str, type[Settings]]:
+    """option -> settings class of a config group (declared in code, found by discovery)."""
+    if group in RUN_GROUPS:
+        return {"default": RUN_GROUPS[group]}
+    return discover(group)
+
+
+def registered_names(group: str) -> list[str]:
+    """The option names declared for ``group``."""
+    return sorted(options(group))
 
 
 # =============================================================================== compose
+#: Hydra group of the schema nodes that option files extend (``defaults: [/_defaults/<Class>@_here_]``).
+DEFAULTS_GROUP = "_defaults"
+
+
 def group_options(group: str) -> list[str]:
-    """Names of the options of one config group (the YAML files in ``conf/<group>/``)."""
-    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+    """Names of the options of one config group: the declared ones and the presets in ``conf/<group>/``."""
+    files = {p.stem for p in (CONF_DIR / group).glob("*.yaml")}
+    return sorted(files | set(options(group)))
+
+
+def register_defaults() -> None:
+    """Hand every declaration's defaults to hydra (its ConfigStore), so that ``conf/`` only
+    selects and overrides: an option without a yaml file of its own is its declaration's
+    defaults (``strategy=fedmr``); an option file extends its class's schema node
+    (``defaults: [/_defaults/ImageDatasetSettings@_here_]``). A strategy whose clients need an
+    objective of their own (``companions``) selects it."""
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    store.store(group=DEFAULTS_GROUP, name=RunSettings.__name__, node=RunSettings.hydra_node())
+    for group in GROUPS:
+        for option, cls in options(group).items():
+            node = cls.hydra_node()
+            store.store(group=DEFAULTS_GROUP, name=cls.__name__, node=node)
+            if (CONF_DIR / group / f"{option}.yaml").is_file():
+                continue
+            if cls.options_for:  # one declaration of several options: the option is its name
+                node = {**node, "name": option}
+            companions = getattr(cls, "companions", {})
+            if companions:
+                node = {"defaults": [{f"override /{g}@_global_.{g}": o} for g, o in companions.items()] + ["_self_"], **node}
+            store.store(group=group, name=option, node=node)
 
 
 def overrides_from_run_config(run_config: Mapping[str, Any]) -> list[str]:
@@ -364,13 +307,15 @@ def overrides_from_run_config(run_config: Mapping[str, Any]) -> list[str]:
     return overrides
 
 
-def compose(overrides: Sequence[str] = (), validate_config: bool = True) -> DictConfig:
-    """Compose ``conf/config.yaml`` with hydra overrides (and validate the result)."""
+def compose(overrides: Sequence[str] = (), validate_config: bool = True) -> Any:
+    """Compose ``conf/config.yaml`` with hydra overrides; validated (:class:`RunSettings`) unless
+    ``validate_config`` is False (then the raw ``DictConfig``)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    register_defaults()
     for item in overrides:
         group = item.split("=", 1)[0].lstrip("+~")
         if group in GROUPS and "=" in item:
@@ -383,12 +328,12 @@ def compose(overrides: Sequence[str] = (), validate_config: bool = True) -> Dict
     except (HydraException, OmegaConfBaseException) as err:
         raise ConfigError("overrides", list(overrides), f"valid hydra overrides ({err})") from err
     if validate_config:
-        validate(cfg)
+        return validate(cfg)
     return cfg
 
 
-def compose_from_run_config(run_config: Mapping[str, Any]) -> dict[str, Any]:
-    """Validated config of a ``flwr run``: run config → hydra overrides → compose, or, with
+def compose_from_run_config(run_config: Mapping[str, Any]) -> RunSettings:
+    """Validated settings of a ``flwr run``: run config → hydra overrides → compose, or, with
     ``resume``, the config of the run to continue (with the changes it allows)."""
     resume = run_config.get("resume", "")
     if resume:
@@ -398,11 +343,21 @@ def compose_from_run_config(run_config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def to_container(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
-    """Plain, resolved dict (no hydra node) suitable for JSON."""
-    node = cfg if isinstance(cfg, DictConfig) else OmegaConf.create(dict(cfg))
+    """Plain, resolved dict (no hydra node, no settings object) suitable for JSON."""
+    if isinstance(cfg, Settings):
+        return cfg.to_dict()
+    node = cfg if isinstance(cfg, DictConfig) else OmegaConf.create(_plain(cfg))
     data = OmegaConf.to_container(node, resolve=True)
     data.pop("hydra", None)
     return data  # type: ignore[return-value]
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Settings):
+        return value.to_dict()
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
 
 
 def dumps(cfg: DictConfig | Mapping[str, Any]) -> str:
@@ -411,43 +366,51 @@ def dumps(cfg: DictConfig | Mapping[str, Any]) -> str:
 
 
 # =============================================================================== validate
-def validate(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
-    """Check every value before any training starts, in one pass over the schema.
+def validate(cfg: DictConfig | Mapping[str, Any], groups: Sequence[str] = GROUPS) -> RunSettings:
+    """Check every value before any training starts, in one pass over the declarations.
 
-    Returns the plain resolved dict. Raises :class:`ConfigError` on the first bad value,
-    naming the key, the value and what is allowed.
+    Returns the run's :class:`RunSettings`. ``groups`` are the groups validated with their
+    declarations (a ClientApp passes :data:`CLIENT_GROUPS`: the others are kept as sent). Raises
+    :class:`ConfigError` on the first bad value, naming the key, the value and what is allowed.
     """
-    _ensure_core_schemas()
+    if isinstance(cfg, RunSettings) and tuple(groups) == GROUPS:
+        cfg = cfg.to_dict()
     c = to_container(cfg)
     top = {k: v for k, v in c.items() if k not in GROUPS}
-    top_schema = dict(_TOP_SCHEMA)
-    known = set(top_schema) | set(GROUPS)
+    known = {f.name for f in RunSettings.settings_fields()} | set(GROUPS)
     for key in c:
         if key not in known:
             near = difflib.get_close_matches(str(key), sorted(known), n=1)
             hint = f"; did you mean {near[0]}?" if near else ""
-            raise ConfigError(key, c[key], "the top-level keys " + ", ".join(GROUPS + SCALAR_KEYS + OTHER_KEYS) + hint)
+            raise ConfigError(key, c[key], "the top-level keys " + ", ".join(sorted(known)) + hint)
+    chosen: dict[str, Settings] = {}
     for group in GROUPS:
-        if not isinstance(c.get(group), dict):
-            raise ConfigError(group, c.get(group), ", ".join(group_options(group)))
-    check_keys("", top, top_schema)
-    k = c["clients_per_round"]
-    if not (_is_int(k) and 1 <= k <= c["num_clients"]):
-        raise ConfigError("clients_per_round", k, f"an integer from 1 to num_clients={c['num_clients']}")
-    check_keys("training.", c["training"], _TRAINING_SCHEMA)
-    check_keys("simulation.", c["simulation"], _SIMULATION_SCHEMA)
-    _check_ray_init_args(c["simulation"])
-    for group in ("dataset", "partition", "model", "strategy", "objective", "selection"):
-        values = c[group]
-        name = values.get("name")
-        options = registered_names(group)
-        if (group, name) not in _REGISTRY:
-            raise ConfigError(f"{group}.name", name, ", ".join(options) or f"(no {group} registered: import its package)")
-        rule = _REGISTRY[(group, name)]
-        check_keys(f"{group}.", {k: v for k, v in values.items() if k != "name"}, rule.schema)
-        if rule.checker:
-            rule.checker(values, c)
-    return c
+        values = c.get(group)
+        if not isinstance(values, dict):
+            raise ConfigError(group, values, ", ".join(group_options(group)))
+        if group not in groups:
+            chosen[group] = OtherSettings(values=values)
+            continue
+        declared = options(group)
+        cls = declared.get("default") if group in RUN_GROUPS else declared.get(values.get("name"))
+        if cls is None:
+            raise ConfigError(f"{group}.name", values.get("name"),
+                              ", ".join(declared) or f"(no {group} declared: install its package)")
+        chosen[group] = cls.from_dict(values, f"{group}.")
+    run = RunSettings.from_dict(top)
+    for group, value in chosen.items():
+        setattr(run, group, value)
+    k = run.clients_per_round
+    if not (is_int(k) and 1 <= k <= run.num_clients):
+        raise ConfigError("clients_per_round", k, f"an integer from 1 to num_clients={run.num_clients}")
+    for group in groups:
+        getattr(run, group).check(run)
+    return run
+
+
+def as_run(cfg: RunSettings | DictConfig | Mapping[str, Any]) -> RunSettings:
+    """``cfg`` as :class:`RunSettings` (validated when it is a plain config)."""
+    return cfg if isinstance(cfg, RunSettings) else validate(cfg)
 
 
 # =============================================================================== resume
@@ -469,18 +432,16 @@ def resume_config(run_dir: str | os.PathLike, changes: Mapping[str, Any] | Seque
     if not config_file.is_file():
         raise ConfigError("resume", str(run_dir), "the directory of a fedmm run (it holds config.yaml and checkpoint.pt)")
     cfg = yaml.safe_load(config_file.read_text(encoding="utf-8"))
-    if isinstance(cfg, dict) and isinstance(cfg.get("simulation"), dict):
-        for key, default in _SIMULATION_ADDED.items():
-            cfg["simulation"].setdefault(key, copy.deepcopy(default))
-    if isinstance(cfg, dict):
+    if isinstance(cfg, dict):  # a group added after runs were made: the option those runs used
         for key, default in _GROUPS_ADDED.items():
             cfg.setdefault(key, copy.deepcopy(default))
-        strategy = cfg.get("strategy")
-        if isinstance(strategy, dict):
-            for key, default in _STRATEGY_KEYS_ADDED.get(strategy.get("name"), {}).items():
-                strategy.setdefault(key, copy.deepcopy(default))
-        if isinstance(cfg.get("model"), dict):
-            cfg["model"].setdefault("projection_dim", None)  # added after runs were made
+        for group in GROUPS:  # keys declared after runs were made: the values those runs had
+            values = cfg.get(group)
+            if isinstance(values, dict):
+                declared = options(group)
+                cls = declared.get("default") if group in RUN_GROUPS else declared.get(values.get("name"))
+                for key, value in (cls.added if cls else {}).items():
+                    values.setdefault(key, copy.deepcopy(value))
     items = list(changes.items()) if isinstance(changes, Mapping) else [_split_override(o) for o in changes]
     for key, value in items:
         if key.split(".", 1)[0] not in RESUME_CHANGEABLE:
@@ -495,17 +456,8 @@ def resume_config(run_dir: str | os.PathLike, changes: Mapping[str, Any] | Seque
     return validate(cfg)
 
 
-#: Keys added to ``simulation`` after runs were made: a run written before has none of them,
-#: and resumes with these values unless the resume command sets them.
-_SIMULATION_ADDED = {"ray_address": None, "ray_init_args": {}}
 #: Config groups added after runs were made (a run written before used these options).
 _GROUPS_ADDED = {"selection": {"name": "uniform"}}
-#: Keys added to a strategy's group after runs were made (their values then: off).
-_STRATEGY_KEYS_ADDED = {
-    "fedmr": {
-        "secure": {"enabled": False, "mode": "both", "repetitions": 2, "min_layers": 1, "max_layers": None, "pad": False, "max_attempts": 2}
-    }
-}
 
 
 def _split_override(item: str) -> tuple[str, Any]:
@@ -517,8 +469,3 @@ def _split_override(item: str) -> tuple[str, Any]:
     return key, yaml.safe_load(value)
 
 
-def _ensure_core_schemas() -> None:
-    # fedmm's own groups register on import; strategies and local-update plugins are imported
-    # by the entry points (this module imports no app and no strategy).
-    import fedmm.data  # noqa: F401
-    import fedmm.models  # noqa: F401

@@ -44,37 +44,8 @@ METRICS = "metrics"
 #: ConfigRecord of a roster reply.
 ROSTER = "roster"
 
-#: ArrayRecord of a SCAFFOLD train message: the server's control variate c (trainable parameters).
-CONTROL = "control"
-#: ArrayRecord of a SCAFFOLD train reply: Δc_i = c_i⁺ − c_i.
-CONTROL_DELTA = "control-delta"
 #: ``Context.state`` ConfigRecord: which experiment (a hash of its run config) the node's state belongs to.
 STATE_EXPERIMENT = "fedmm-experiment"
-#: ``Context.state`` ArrayRecord of a SCAFFOLD client: its control variate c_i.
-CONTROL_STATE = "scaffold-c-i"
-#: ``Context.state`` MetricRecord of a SCAFFOLD client: rounds its c_i has been trained for.
-CONTROL_AGE_STATE = "scaffold-age"
-#: ConfigRecord of a SCAFFOLD train message (``scaffold_lab``): the client's data weight.
-CONTROL_CONFIG = "scaffold"
-#: ``scaffold`` record: w_i = N·n_i/Σn, the client's correction is c/w_i − c_i.
-CONTROL_WEIGHT = "data-weight"
-#: ``metrics`` of a SCAFFOLD reply: rounds the client's c_i has been trained for, this one included
-#: (1 after a first participation, or after a SuperNode restart lost its state).
-CONTROL_AGE = "control-rounds"
-
-#: ``Context.state`` ArrayRecord of a MOON client: the model it finished its last round with.
-MOON_PREVIOUS = "moon-previous-model"
-#: ``Context.state`` MetricRecord of a MOON client: rounds it has trained with MOON.
-MOON_AGE_STATE = "moon-age"
-#: ``metrics`` of a MOON reply: the mean contrastive loss of the round.
-MOON_CONTRASTIVE = "moon-contrastive"
-#: ``metrics`` of a MOON reply: rounds the node has trained, this one included (1: first, or state lost).
-MOON_AGE = "moon-rounds"
-
-#: ArrayRecord of a FedGen train message (from round 2): the generator's state_dict.
-GENERATOR = "generator"
-#: ArrayRecord of a FedGen train reply: one int64 array of the client's label counts (same name).
-LABEL_COUNTS = "label-counts"
 
 #: Message actions of FedMR's secure recombination (``train.<action>``, see :mod:`fedmm.secure`):
 #: key setup (with the dispatched model), stage 1 (send), stages 2-3 (receive, return), upload.
@@ -110,9 +81,10 @@ SECURE_OUT_SEQ = "out-seq"
 #: ``secure`` key of a ``secure_keys`` reply: the node's ephemeral X25519 public key (32 bytes).
 SECURE_PUBLIC_KEY = "public-key"
 
-#: Reply metrics about a client's own state that the server logs per round (mean over the
-#: accepted replies, in ``metrics.jsonl`` with ``_`` for ``-``).
-LOGGED_REPLY_METRICS = (CONTROL_AGE, MOON_AGE, MOON_CONTRASTIVE)
+#: Reply metrics of the training loop itself. Every other reply metric (a client objective's own:
+#: MOON's contrastive loss, SCAFFOLD's state age, ...) is logged by the server per round: the mean
+#: over the accepted replies, in ``metrics.jsonl`` with ``_`` for ``-``.
+TRAINING_METRICS = ("train_loss", "train_time")
 
 # ----------------------------------------------------------------------------- config keys
 #: ``config``: the round being run (Flower's convention).
@@ -248,7 +220,7 @@ def check_arrays(model: Mapping[str, np.ndarray], spec: ArraySpec) -> str:
 # ----------------------------------------------------------------------------- run config
 def run_config_record(cfg: Mapping[str, Any]) -> str:
     """The run's resolved config as the JSON string sent in ``config[RUN_CONFIG]``."""
-    return json.dumps(cfg, sort_keys=True)
+    return json.dumps(cfg.to_dict() if hasattr(cfg, "to_dict") else cfg, sort_keys=True)
 
 
 def read_run_config(msg: Message) -> dict[str, Any]:

@@ -121,7 +121,7 @@ class RunRecorder:
         self.path = path
         self.history: list[dict[str, Any]] = []
         self.federated: dict[int, dict[str, float]] = {}
-        write_atomic(path / CONFIG_FILE, yaml.safe_dump(dict(cfg), sort_keys=False))
+        write_atomic(path / CONFIG_FILE, yaml.safe_dump(cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg), sort_keys=False))
 
     def restore(self, history: list[dict[str, Any]], federated: Mapping[int, Mapping[str, float]]) -> None:
         """Continue from a checkpoint: ``metrics.jsonl`` is rewritten to exactly its rows (a

@@ -24,6 +24,7 @@ from flwr.supercore import log
 
 from fedmm import protocol
 from fedmm.data import input_spec, label_histograms, load_dataset, partition_indices, plot_label_histograms
+from fedmm.config import RunSettings, validate
 from fedmm.errors import ConfigError
 from fedmm.evaluation import evaluate as evaluate_model
 from fedmm.evaluation import resolve_device
@@ -100,20 +101,14 @@ def federation_size(grid: Grid, settle: float = 1.0, timeout: float = 60.0) -> i
         time.sleep(0.1)
 
 
-def fit_federation_size(cfg: dict[str, Any], grid: Grid) -> None:
+def fit_federation_size(run: RunSettings, grid: Grid) -> None:
     """`flwr run` sets the number of SuperNodes in the federation config; it wins over num_clients."""
     connected = federation_size(grid)
-    if connected and connected != cfg["num_clients"]:
-        log(
-            WARNING,
-            "num_clients=%d but the federation has %d SuperNodes: using %d clients.",
-            cfg["num_clients"],
-            connected,
-            connected,
-        )
-        cfg["num_clients"] = connected
-        if cfg["clients_per_round"] > connected:
-            raise ConfigError("clients_per_round", cfg["clients_per_round"], f"at most the {connected} SuperNodes of the federation")
+    if connected and connected != run.num_clients:
+        log(WARNING, "num_clients=%d but the federation has %d SuperNodes: using %d clients.", run.num_clients, connected, connected)
+        run.num_clients = connected
+        if run.clients_per_round > connected:
+            raise ConfigError("clients_per_round", run.clients_per_round, f"at most the {connected} SuperNodes of the federation")
 
 
 def time_left(history: list[dict[str, Any]], num_rounds: int) -> str:
@@ -130,30 +125,29 @@ def time_left(history: list[dict[str, Any]], num_rounds: int) -> str:
     return f"~{per_round * (num_rounds - last['round']):.0f}s left"
 
 
-def plot_title(cfg: Mapping[str, Any]) -> str:
+def plot_title(run: RunSettings) -> str:
     """Method, model, dataset, partition (with α) and seed, for plots."""
-    p = cfg["partition"]
-    partition = f"Dir(α={p['alpha']})" if p["name"] == "dirichlet" else p["name"]
-    objective = cfg["objective"]["name"]
-    method = cfg["strategy"]["name"] + ("" if objective == "ce" else f"+{objective}")
-    return f"{method} · {cfg['model']['name']} · {cfg['dataset']['name']} · {partition} · seed {cfg['seed']}"
+    p = run.partition
+    partition = f"Dir(α={p.alpha})" if p.name == "dirichlet" else p.name
+    method = run.strategy.name + ("" if run.objective.name == "ce" else f"+{run.objective.name}")
+    return f"{method} · {run.model.name} · {run.dataset.name} · {partition} · seed {run.seed}"
 
 
-def run_experiment(grid: Grid, cfg_in: Mapping[str, Any], simulation: bool = True) -> Path:
+def run_experiment(grid: Grid, settings: RunSettings | Mapping[str, Any], simulation: bool = True) -> Path:
     """Run (or, with ``resume``, continue) the configured experiment on ``grid``; return the run directory.
 
-    ``cfg_in`` must have passed :func:`fedmm.config.validate` (the entry points do it once).
+    ``settings``: the run's settings (:func:`fedmm.config.validate`; a plain config is validated).
     """
-    cfg = dict(cfg_in)
-    checkpoint = load_checkpoint(cfg["resume"]) if cfg.get("resume") else None
+    cfg = validate(settings)  # this run's own copy
+    checkpoint = load_checkpoint(cfg.resume) if cfg.resume else None
     if simulation:
         fit_federation_size(cfg, grid)
     if checkpoint is not None:
-        run_dir = Path(cfg["resume"]).expanduser().resolve()
+        run_dir = Path(cfg.resume).expanduser().resolve()
         done = int(checkpoint["round"])
-        if done >= cfg["num_rounds"]:
-            raise ConfigError("num_rounds", cfg["num_rounds"], f"more than the {done} rounds the run in {run_dir} has finished, to continue it")
-        cfg["output_dir"] = str(run_dir)
+        if done >= cfg.num_rounds:
+            raise ConfigError("num_rounds", cfg.num_rounds, f"more than the {done} rounds the run in {run_dir} has finished, to continue it")
+        cfg.output_dir = str(run_dir)
     else:
         run_dir = create_run_dir(cfg)
     log(INFO, "fedmm run directory: %s", run_dir)
@@ -164,40 +158,40 @@ def run_experiment(grid: Grid, cfg_in: Mapping[str, Any], simulation: bool = Tru
         lock.release()
 
 
-def _run_locked(grid: Grid, cfg: dict[str, Any], run_dir: Path, checkpoint: dict[str, Any] | None, simulation: bool) -> Path:
+def _run_locked(grid: Grid, cfg: RunSettings, run_dir: Path, checkpoint: dict[str, Any] | None, simulation: bool) -> Path:
     recorder = RunRecorder(run_dir, cfg)
     counting = CountingGrid(grid)
-    num_rounds = int(cfg["num_rounds"])
+    num_rounds = cfg.num_rounds
     t0 = time.perf_counter()
     # The state after the last completed round (the server's arrays are never written in place,
     # so references suffice): what a checkpoint holds, also when the run is interrupted mid-round.
     last: dict[str, Any] = {"round": 0, "saved": 0, "state": None}
     status: dict[str, Any] = {"status": "failed", "reason": "the run stopped before its first round"}
     try:
-        seed_everything(int(cfg["seed"]))
+        seed_everything(cfg.seed)
 
-        d = cfg["dataset"]
+        d = cfg.dataset
         train, test = load_dataset(d)
         if simulation and checkpoint is None:
-            parts = partition_indices(train, cfg["partition"], cfg["num_clients"], int(cfg["seed"]))
-            hist = label_histograms(train.y.numpy(), parts, int(d["num_classes"]))
+            parts = partition_indices(train, cfg.partition, cfg.num_clients, cfg.seed)
+            hist = label_histograms(train.y.numpy(), parts, d.num_classes)
             recorder.write_json("label_histograms.json", hist.tolist())
             plot_label_histograms(hist, run_dir / "label_histograms.png")
 
         model = model_for(cfg, input_spec(d))
-        if d.get("embeddings_path"):  # Sent140: pre-trained word vectors into the initial model's embedding
+        if getattr(d, "embeddings_path", None):  # Sent140: pre-trained word vectors into the initial model's embedding
             from fedmm.data.sources import vocabulary
             from fedmm.data.text import load_glove
 
             table = model.layers[0].weight
-            vectors, found = load_glove(d["embeddings_path"], vocabulary(d), int(table.shape[1]))
+            vectors, found = load_glove(d.embeddings_path, vocabulary(d), int(table.shape[1]))
             with torch.no_grad():
                 table[: len(vectors)] = torch.from_numpy(vectors[: len(table)])
-            log(INFO, "fedmm: %d of %d vocabulary words initialised from %s", found, len(vectors) - 2, d["embeddings_path"])
+            log(INFO, "fedmm: %d of %d vocabulary words initialised from %s", found, len(vectors) - 2, d.embeddings_path)
         strategy = build_strategy(cfg)
-        device = resolve_device(cfg["training"]["device"])
-        eval_every = int(cfg["eval_every"])
-        checkpoint_every = int(cfg["checkpoint_every"])
+        device = resolve_device(cfg.training.device)
+        eval_every = cfg.eval_every
+        checkpoint_every = cfg.checkpoint_every
         start_round, seconds_before = 1, 0.0
         if checkpoint is not None:
             strategy.load_state_dict(checkpoint["strategy"])
@@ -284,13 +278,13 @@ def _run_locked(grid: Grid, cfg: dict[str, Any], run_dir: Path, checkpoint: dict
             grid=counting,
             initial_arrays=ArrayRecord(model.state_dict()),
             num_rounds=num_rounds,
-            timeout=float(cfg["round_timeout"]),
+            timeout=float(cfg.round_timeout),
             train_config=run_config,
             evaluate_config=run_config,
             evaluate_fn=central_evaluate,
             start_round=start_round,
             round_end=round_end,
-            max_failed_rounds=int(cfg["max_failed_rounds"]) or None,
+            max_failed_rounds=cfg.max_failed_rounds or None,
         )
         if recorder.federated:
             recorder.write_json("federated_evaluation.json", {str(r): m for r, m in sorted(recorder.federated.items())})

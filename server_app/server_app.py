@@ -10,9 +10,6 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 from flwr.superlink.grid import InMemoryGrid
 
-# Importing these registers the schemas of their config groups (strategy, objective).
-import client_app.local_update  # noqa: F401
-import strategies  # noqa: F401
 from fedmm.config import compose_from_run_config
 from fedmm.errors import ConfigError
 from server_app.runner import run_experiment
@@ -39,9 +36,10 @@ def where_the_app_runs() -> str:
     from pathlib import Path
 
     import fedmm
+    import objectives
     import strategies
 
-    roots = {Path(m.__file__).resolve().parent.parent for m in (fedmm, strategies, client_app.local_update)}
+    roots = {Path(m.__file__).resolve().parent.parent for m in (fedmm, strategies, objectives)}
     if len(roots) > 1:
         raise ConfigError(
             "app", sorted(map(str, roots)),

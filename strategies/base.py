@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from logging import ERROR, INFO, WARNING
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
@@ -34,7 +35,9 @@ from flwr.supercore import log
 
 from fedmm import protocol
 from fedmm.interrupt import STOP, raise_if_stopped
+from fedmm.errors import ConfigError
 from fedmm.protocol import ClientUpdate, ModelDict
+from fedmm.settings import Number, Settings, setting
 from strategies.selection import ClientSelector, SeededRosterSelector
 
 #: Seconds between two pulls while replies are outstanding (a reply waits at most this long
@@ -85,6 +88,32 @@ def exchange(
     return replies
 
 
+@dataclass
+class StrategySettings(Settings):
+    """Settings every server method has; a method's own declaration extends this one.
+
+    Class attributes: ``companions`` (config groups the method selects, e.g. the client
+    objective its clients need: ``{"objective": "scaffold"}``), ``weighs_replies`` (True for
+    one-model methods whose mean a selector may weigh: clustered sampling).
+    """
+
+    group = "strategy"
+    companions: ClassVar[dict[str, str]] = {}
+    weighs_replies: ClassVar[bool] = False
+    fraction_evaluate: float = setting(0.0, Number(ge=0.0, le=1.0),
+                                       "share of the connected nodes that evaluate the global model each round")
+
+    def check(self, run: Any) -> None:
+        """Clients evaluate on rows they never train on: fraction_evaluate > 0 needs a held-out part."""
+        if self.fraction_evaluate > 0 and not run.partition.get("local_test_fraction"):
+            raise ConfigError(
+                "partition.local_test_fraction",
+                run.partition.get("local_test_fraction"),
+                f"a fraction > 0 when strategy.fraction_evaluate={self.fraction_evaluate} "
+                "(clients evaluate on held-out rows of their own data, never on what they train on)",
+            )
+
+
 class RunFailed(RuntimeError):
     """The run cannot go on (e.g. no client reply was accepted for ``max_failed_rounds`` rounds)."""
 
@@ -96,35 +125,59 @@ RoundEnd = Callable[[int, ArrayRecord, Result], None]
 class RoundLoopStrategy(Strategy):
     """Base of every method: selection, per-node dispatch, reply checks, the round loop, state.
 
+    A method declares its settings once, as a :class:`StrategySettings` subclass named by the
+    class attribute ``Settings``; the strategy holds them in ``self.settings`` and reads them as
+    attributes too (``self.alpha`` is ``self.settings.alpha``).
+
     Parameters
     ----------
     clients_per_round : int
         K: nodes selected per round (and models kept, for multi-model methods).
     seed : int
         Seeds the default selector and the method's own randomness (``self.rng``).
-    fraction_evaluate : float
-        Share of the connected nodes that evaluate the global model each round.
+    fraction_evaluate : float, optional
+        Share of the connected nodes that evaluate the global model each round (a setting).
     selector : ClientSelector, optional
         Which nodes take part; default: :class:`SeededRosterSelector` with ``seed``.
+    settings : StrategySettings, optional
+        The method's settings (default: the declared defaults).
+    **changes
+        Settings to change from ``settings`` (validated): ``FedMR(4, 0, first_stage_rounds=5)``.
     """
+
+    #: The method's settings declaration.
+    Settings: ClassVar[type[StrategySettings]] = StrategySettings
 
     #: True when the method writes into the arrays of the updates it gets (e.g. FedCross fuses
     #: in place): replies are then decoded into new writable arrays. False: read-only views of
     #: the reply's bytes, no copy.
     writable_updates = False
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "Settings" in cls.__dict__:  # the declaration knows what it builds
+            cls.Settings.strategy_class = cls
+
     def __init__(
         self,
         clients_per_round: int,
         seed: int,
-        fraction_evaluate: float = 0.0,
+        fraction_evaluate: float | None = None,
         selector: ClientSelector | None = None,
+        *,
+        settings: StrategySettings | None = None,
+        **changes: Any,
     ) -> None:
         if clients_per_round < 1:
             raise ValueError(f"clients_per_round must be >= 1, got {clients_per_round}")
+        if fraction_evaluate is not None:
+            changes["fraction_evaluate"] = fraction_evaluate
+        settings = settings if settings is not None else self.Settings()
+        if not isinstance(settings, self.Settings):
+            raise TypeError(f"{type(self).__name__} takes {self.Settings.__name__}, got {type(settings).__name__}")
+        self.settings = settings.replace(**changes) if changes else settings
         self.clients_per_round = clients_per_round
         self.seed = seed
-        self.fraction_evaluate = fraction_evaluate
         self.selector = selector or SeededRosterSelector(seed)
         self.rng = np.random.default_rng([seed, 0x5EED])
         #: The server's models (FedAvg: one; multi-model methods: K).
@@ -147,6 +200,18 @@ class RoundLoopStrategy(Strategy):
         self._round_seen: set[int] = set()
         self._round_rejected: list[str] = []
         self._round_extras: dict[str, protocol.ArraySpec] = {}
+
+    @classmethod
+    def from_settings(cls, run: Any) -> RoundLoopStrategy:
+        """The strategy of a run's settings (:class:`fedmm.config.RunSettings`): K from
+        ``clients_per_round``, the seed, the method's settings."""
+        return cls(run.clients_per_round, run.seed, settings=run.strategy)
+
+    def __getattr__(self, name: str) -> Any:
+        settings = self.__dict__.get("settings")
+        if settings is not None and name in type(settings).__dataclass_fields__:
+            return getattr(settings, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # ================================================================== method hooks
     def initialize(self, initial: ModelDict) -> None:
@@ -251,6 +316,31 @@ class RoundLoopStrategy(Strategy):
         self._round_updates, self._round_seen, self._round_rejected = [], set(), []
         self._round_extras = self.reply_extras(server_round)
 
+    # ================================================================== multi-phase rounds
+    # A method whose round has several message phases (FedMR's secure recombination) sends its
+    # own train-reply phase: it names the messages whose replies count, hands each reply to
+    # accept_reply, and may mark a slot as failed; finish_train then aggregates as usual.
+    def expect_replies(self, server_round: int, pending: list[Any]) -> None:
+        """The slots of this round's train replies: ``pending[slot]`` is the metadata of the
+        message whose reply fills that slot (anything with ``message_id`` and ``dst_node_id``).
+        Forgets every reply accepted so far in this round."""
+        self._pending = list(pending)
+        self._begin_replies(server_round)
+
+    def accepted_updates(self) -> list[ClientUpdate]:
+        """The updates accepted so far in this round (in arrival order)."""
+        return list(self._round_updates)
+
+    def rejection(self, node_id: int) -> str | None:
+        """Why a reply of ``node_id`` was rejected this round, or None."""
+        prefixes = (f"node {node_id}:", f"node {node_id} (")
+        return next((r.split(": ", 1)[-1] for r in self._round_rejected if r.startswith(prefixes)), None)
+
+    def fail_slot(self, slot: int, reason: str) -> None:
+        """Count ``slot`` as failed this round with ``reason`` (its model stays where it was)."""
+        self._round_seen.add(slot)
+        self._round_rejected.append(f"{self._where(self._pending[slot].dst_node_id, slot)}: {reason}")
+
     def accept_reply(self, reply: Message) -> None:
         """Decode and check one train reply of the current round as soon as it arrives; its
         serialized arrays are released as they are decoded (only the decoded model is kept)."""
@@ -299,10 +389,9 @@ class RoundLoopStrategy(Strategy):
         log(INFO, "round %d: %d/%d replies accepted", server_round, len(updates), sent)
         for reason in rejected:
             log(WARNING, "\t> rejected: %s", reason)
-        for key in protocol.LOGGED_REPLY_METRICS:
-            values = [u.metrics[key] for u in updates if key in u.metrics]
-            if values:
-                self.round_log[key.replace("-", "_")] = float(np.mean(values))
+        logged = sorted({k for u in updates for k in u.metrics} - {protocol.NUM_EXAMPLES, *protocol.TRAINING_METRICS})
+        for key in logged:  # a client objective's own metrics
+            self.round_log[key.replace("-", "_")] = float(np.mean([u.metrics[key] for u in updates if key in u.metrics]))
         if updates and self.models:
             self.selector.observe(server_round, updates, [self.models[self.model_for_slot(u.slot)] for u in updates])
         for update in updates:
@@ -353,7 +442,7 @@ class RoundLoopStrategy(Strategy):
     def summary(self) -> None:
         """Log the strategy's settings."""
         log(INFO, "\t├──> %s: %d clients per round, %s", type(self).__name__, self.clients_per_round, self.selector.describe())
-        log(INFO, "\t└──> federated evaluation fraction: %.2f", self.fraction_evaluate)
+        log(INFO, "\t└──> settings: %s", ", ".join(f"{k}={v}" for k, v in self.settings.to_dict().items() if k != "name"))
 
     # ================================================================== the loop
     def send(

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from logging import INFO
 from typing import Any
 
@@ -46,27 +47,56 @@ import numpy as np
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
-from fedmm.config import Choice, ConfigError
+from fedmm import protocol
+from fedmm.errors import ConfigError
 from fedmm.protocol import ClientUpdate, ModelDict
+from fedmm.settings import Choice, setting
 from strategies import clustering
 from strategies.extrapolation import is_buffer
-from strategies.selection import SeededRosterSelector
+from strategies.selection import SeededRosterSelector, UniformSettings
 
-#: Keys of the ``selection`` config group ``clustered`` (conf/selection/clustered*.yaml).
-CONFIG_SCHEMA = {
-    "mode": Choice("faithful", "fedmr_port"),
-    "algorithm": Choice(1, 2),
-    "distance": Choice(*clustering.DISTANCES),
-    "linkage_input": Choice("rows", "condensed"),
-}
+#: ``selection.mode``: the original's rules, or the FedMR authors' port's.
 MODES = ("faithful", "fedmr_port")
 
 
-def check_config(values: Mapping[str, Any], cfg: Mapping[str, Any]) -> None:
-    """The FedMR port always ran Algorithm 2, on the raw matrix rows."""
-    if values["mode"] == "fedmr_port" and values["algorithm"] != 2:
-        raise ConfigError("selection.algorithm", values["algorithm"], "2 with selection.mode=fedmr_port (the port has only Algorithm 2)")
+@dataclass
+class ClusteredSettings(UniformSettings):
+    """Clustered sampling (Fraboni et al., ICML 2021); for one-model methods (FedAvg, FedProx,
+    FedRL's objective, FedExP, FedGen)."""
 
+    option = "clustered"
+    title = "CluSamp"
+    mode: str = setting("faithful", Choice(*MODES), "faithful (Fraboni et al.) | fedmr_port (the FedMR "
+                        "authors' port: partial matrix update, size weights)")
+    algorithm: int = setting(2, Choice(1, 2), "1: sample sizes only | 2: representative gradients", paper="2")
+    distance: str = setting("arccos", Choice(*clustering.DISTANCES), "arccos (the original's \"cosine\") | L1 | L2 (squared)")
+    linkage_input: str = setting("rows", Choice("rows", "condensed"), "rows: Ward on the matrix rows as observations "
+                                 "(both codes) | condensed: on the distances")
+
+    @property
+    def display(self) -> str:
+        return "CluSamp" + (" (FedMR port)" if self.mode == "fedmr_port" else "") + (" (Alg. 1)" if self.algorithm == 1 else "")
+
+    def check_values(self, prefix: str) -> None:
+        """The FedMR port always ran Algorithm 2, on the raw matrix rows."""
+        if self.mode == "fedmr_port" and self.algorithm != 2:
+            raise ConfigError(f"{prefix}algorithm", self.algorithm, "2 with selection.mode=fedmr_port (the port has only Algorithm 2)")
+
+    def check(self, run: Any) -> None:
+        """Clustered sampling weighs the replies of one model."""
+        if not getattr(run.strategy, "weighs_replies", False):
+            raise ConfigError(
+                "selection", self.option,
+                f"selection=uniform with strategy.name={run.strategy.name} (clustered sampling weighs the replies of one "
+                "model: FedAvg, FedExP, FedGen, or presets built on them such as fedprox)")
+
+    def build(self, run: Any) -> ClusteredSelector:
+        """The selector; its roster query carries the run config and asks for the nodes' sizes."""
+        query = {protocol.ROSTER_EXAMPLES: 1, protocol.RUN_CONFIG: protocol.run_config_record(run)}
+        selector = ClusteredSelector(seed=run.seed, num_clients=run.num_clients, query_config=query, mode=self.mode,
+                                     algorithm=self.algorithm, distance=self.distance, linkage_input=self.linkage_input)
+        log(INFO, "client selection: %s", selector.describe())
+        return selector
 
 class ClusteredSelector(SeededRosterSelector):
     """Clustered sampling over the connected nodes (ordered by their stable keys).
@@ -257,13 +287,3 @@ class ClusteredSelector(SeededRosterSelector):
             return f"clustered sampling ({self.mode}, Algorithm 1: sample sizes)"
         return f"clustered sampling ({self.mode}, Algorithm 2: {self.distance}, Ward on {self.linkage_input})"
 
-
-def build_selector(cfg: Mapping[str, Any], query_config: Mapping[str, Any]) -> ClusteredSelector:
-    """The selector of ``cfg['selection']`` (name ``clustered``)."""
-    s = cfg["selection"]
-    selector = ClusteredSelector(
-        seed=cfg["seed"], num_clients=cfg["num_clients"], query_config=query_config, mode=s["mode"],
-        algorithm=s["algorithm"], distance=s["distance"], linkage_input=s["linkage_input"],
-    )
-    log(INFO, "client selection: %s", selector.describe())
-    return selector

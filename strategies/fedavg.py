@@ -7,16 +7,20 @@ computed from the arrays the reply check already decoded, keeping every dtype).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
 
-from fedmm.config import Number
 from fedmm.protocol import ClientUpdate, ModelDict
 from strategies.aggregation import weighted_mean_models
-from strategies.base import RoundLoopStrategy
+from strategies.base import RoundLoopStrategy, StrategySettings
 
-#: Keys of the ``strategy`` config group of FedAvg (defaults in conf/strategy/fedavg.yaml).
-CONFIG_SCHEMA: dict[str, Any] = {"fraction_evaluate": Number(ge=0.0, le=1.0)}
+
+@dataclass
+class FedAvgSettings(StrategySettings):
+    """FedAvg has no settings beyond the base's."""
+
+    option = "fedavg"
+    title = "FedAvg"
+    weighs_replies = True
 
 
 class FedAvg(RoundLoopStrategy):
@@ -24,9 +28,11 @@ class FedAvg(RoundLoopStrategy):
 
     Parameters
     ----------
-    clients_per_round, seed, fraction_evaluate, selector
+    clients_per_round, seed, fraction_evaluate, selector, settings
         See :class:`~strategies.base.RoundLoopStrategy`.
     """
+
+    Settings = FedAvgSettings
 
     def initialize(self, initial: ModelDict) -> None:
         """One global model."""
@@ -41,11 +47,3 @@ class FedAvg(RoundLoopStrategy):
         self.models = [weighted_mean_models([u.model for u in updates], weights)]
         return self.models[0]
 
-
-def from_config(cfg: Mapping[str, Any]) -> FedAvg:
-    """Build FedAvg from the resolved run config."""
-    return FedAvg(
-        clients_per_round=cfg["clients_per_round"],
-        seed=cfg["seed"],
-        fraction_evaluate=cfg["strategy"]["fraction_evaluate"],
-    )

@@ -11,15 +11,13 @@ Round r, after the K middleware models come back:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from logging import INFO
+from dataclasses import dataclass
 from typing import Any
 
-from flwr.supercore import log
-
-from fedmm.config import Choice, Int, Number
+from fedmm.settings import Choice, Int, Number, setting
 from fedmm.protocol import ModelDict
 from strategies.aggregation import mean_models
+from strategies.base import StrategySettings
 from strategies.multimodel import MultiModelStrategy
 from strategies.selection import ClientSelector
 from strategies.cross_aggregation import (
@@ -32,19 +30,30 @@ from strategies.cross_aggregation import (
     propellers,
 )
 
-#: Keys of the ``strategy`` config group of FedCross (defaults in conf/strategy/fedcross.yaml).
-CONFIG_SCHEMA = {
-    "fraction_evaluate": Number(ge=0.0, le=1.0),
-    "alpha": Number(ge=0, le=1),
-    "selection": Choice(*SELECTIONS),
-    "similarity": Choice(*SIMILARITIES),
-    "first_stage_rounds": Int(min=0),
-    "propeller_rounds": Int(min=0),
-    "num_propellers": Int(min=1),
-    "propeller_alpha": Number(ge=0, le=1),
-    "dynamic_alpha_rounds": Int(min=0),
-}
+@dataclass
+class FedCrossSettings(StrategySettings):
+    """FedCross's settings (paper Section III; acceleration Section III-D, off by default)."""
 
+    option = "fedcross"
+    title = "FedCross"
+    alpha: float = setting(0.99, Number(ge=0, le=1), "weight of the model itself in w_j <- alpha*w_j + (1-alpha)*w_c(j)",
+                           paper="0.99", label="α {}")
+    selection: str = setting("lowest-similarity", Choice(*SELECTIONS), "how each model's collaborative model is chosen",
+                             paper="lowest-similarity", label="{}")
+    similarity: str = setting("model", Choice(*SIMILARITIES), "model: one cosine over all weights (paper) | chunked: "
+                              "sum over 2-tensor chunks (authors' code)", label="{} similarity")
+    first_stage_rounds: int = setting(0, Int(min=0), "rounds of plain aggregation first", label="first stage {}")
+    propeller_rounds: int = setting(0, Int(min=0), "rounds in which each model is fused with num_propellers in-order partners")
+    num_propellers: int = setting(2, Int(min=1), "partners of each model in a propeller round")
+    propeller_alpha: float = setting(0.5, Number(ge=0, le=1), "weight of the model itself during the propeller rounds")
+    dynamic_alpha_rounds: int = setting(0, Int(min=0), "alpha rises linearly from 0.5 to `alpha` over this many rounds "
+                                        "(after the propeller rounds)")
+
+    def label_parts(self) -> list[str]:
+        parts = super().label_parts()
+        if self.propeller_rounds or self.dynamic_alpha_rounds:
+            parts.append(f"PM {self.propeller_rounds} + DA {self.dynamic_alpha_rounds}")
+        return parts
 
 class FedCross(MultiModelStrategy):
     """FedCross on the multi-model base: only :meth:`update_models` differs.
@@ -72,30 +81,11 @@ class FedCross(MultiModelStrategy):
 
     writable_updates = True  # cross-aggregation writes the fused values into the trained models' arrays
 
-    def __init__(
-        self,
-        num_models: int,
-        seed: int,
-        fraction_evaluate: float = 0.0,
-        alpha: float = 0.99,
-        selection: str = "lowest-similarity",
-        similarity: str = "model",
-        first_stage_rounds: int = 0,
-        propeller_rounds: int = 0,
-        num_propellers: int = 2,
-        propeller_alpha: float = 0.5,
-        dynamic_alpha_rounds: int = 0,
-        selector: ClientSelector | None = None,
-    ) -> None:
-        super().__init__(num_models, seed, fraction_evaluate, selector)
-        self.alpha = alpha
-        self.selection = selection
-        self.similarity = similarity
-        self.first_stage_rounds = first_stage_rounds
-        self.propeller_rounds = propeller_rounds
-        self.num_propellers = num_propellers
-        self.propeller_alpha = propeller_alpha
-        self.dynamic_alpha_rounds = dynamic_alpha_rounds
+    Settings = FedCrossSettings
+
+    def __init__(self, num_models: int, seed: int, fraction_evaluate: float | None = None,
+                 selector: ClientSelector | None = None, **settings: Any) -> None:
+        super().__init__(num_models, seed, fraction_evaluate, selector, **settings)
         self.last_alpha: float | None = None
 
     def alpha_at(self, server_round: int) -> float:
@@ -124,36 +114,3 @@ class FedCross(MultiModelStrategy):
         """Restore :meth:`state_dict`."""
         super().load_state_dict(state)
         self.last_alpha = state.get("last_alpha")
-
-    def summary(self) -> None:
-        """Log the strategy's settings."""
-        super().summary()
-        log(
-            INFO,
-            "\t    alpha=%.3f selection=%s similarity=%s first_stage=%d propellers=%d×%d dynamic_alpha_rounds=%d",
-            self.alpha,
-            self.selection,
-            self.similarity,
-            self.first_stage_rounds,
-            self.propeller_rounds,
-            self.num_propellers,
-            self.dynamic_alpha_rounds,
-        )
-
-
-def from_config(cfg: Mapping[str, Any]) -> FedCross:
-    """Build FedCross from the resolved run config."""
-    s = cfg["strategy"]
-    return FedCross(
-        num_models=cfg["clients_per_round"],
-        seed=cfg["seed"],
-        fraction_evaluate=s["fraction_evaluate"],
-        alpha=s["alpha"],
-        selection=s["selection"],
-        similarity=s["similarity"],
-        first_stage_rounds=s["first_stage_rounds"],
-        propeller_rounds=s["propeller_rounds"],
-        num_propellers=s["num_propellers"],
-        propeller_alpha=s["propeller_alpha"],
-        dynamic_alpha_rounds=s["dynamic_alpha_rounds"],
-    )

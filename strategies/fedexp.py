@@ -13,26 +13,28 @@ extrapolated).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from logging import INFO
-from typing import Any
+from dataclasses import dataclass
 
-from flwr.supercore import log
-
-from fedmm.config import Bool, Number
 from fedmm.protocol import ClientUpdate, ModelDict
+from fedmm.settings import Bool, Number, setting
 from strategies.extrapolation import average_iterates, fedexp_step
-from strategies.fedavg import FedAvg
-from strategies.selection import ClientSelector
+from strategies.fedavg import FedAvg, FedAvgSettings
 
-#: Keys of the ``strategy`` config group of FedExP (defaults in conf/strategy/fedexp.yaml).
-CONFIG_SCHEMA = {
-    "fraction_evaluate": Number(ge=0.0, le=1.0),
-    "epsilon": Number(gt=0),
-    "epsilon_decay": Number(gt=0, le=1),
-    "extrapolate_buffers": Bool(),
-}
+@dataclass
+class FedExPSettings(FedAvgSettings):
+    """FedExP's server step (Jhunjhunwala et al., ICLR 2023)."""
 
+    option = "fedexp"
+    title = "FedExP"
+    epsilon: float = setting(0.001, Number(gt=0), "ε of round 1 (the original: 1e-3 for CIFAR, 0.1 for EMNIST)", paper="1e-3")
+    epsilon_decay: float = setting(0.996004, Number(gt=0, le=1), "ε is multiplied by this every round (0.998², as the "
+                                   "original); 1.0: constant", paper="0.996004")
+    extrapolate_buffers: bool = setting(False, Bool(), "BatchNorm buffers: false = weighted mean (safe); true = "
+                                        "extrapolated too (the FedMR port)", label="buffers extrapolated")
+
+    def label_parts(self) -> list[str]:
+        constant = [f"ε {self.epsilon} constant"] if self.epsilon_decay == 1.0 else []
+        return constant + super().label_parts()
 
 class FedExP(FedAvg):
     """FedExP on the one-model round loop: only :meth:`aggregate` differs from FedAvg.
@@ -49,20 +51,7 @@ class FedExP(FedAvg):
         False: BatchNorm buffers are the clients' weighted mean; True: extrapolated with η_g too.
     """
 
-    def __init__(
-        self,
-        clients_per_round: int,
-        seed: int,
-        fraction_evaluate: float = 0.0,
-        epsilon: float = 1e-3,
-        epsilon_decay: float = 0.998**2,
-        extrapolate_buffers: bool = False,
-        selector: ClientSelector | None = None,
-    ) -> None:
-        super().__init__(clients_per_round, seed, fraction_evaluate, selector)
-        self.epsilon = float(epsilon)
-        self.epsilon_decay = float(epsilon_decay)
-        self.extrapolate_buffers = bool(extrapolate_buffers)
+    Settings = FedExPSettings
 
     def epsilon_at(self, server_round: int) -> float:
         """ε of a round."""
@@ -81,22 +70,3 @@ class FedExP(FedAvg):
         self.round_log.update({"eta_g": eta, "epsilon": epsilon})
         self.models = [nxt]
         return nxt if server_round == 1 else average_iterates(nxt, current)
-
-    def summary(self) -> None:
-        """Log the strategy's settings."""
-        super().summary()
-        log(INFO, "\t    epsilon=%g epsilon_decay=%g extrapolate_buffers=%s", self.epsilon, self.epsilon_decay,
-            self.extrapolate_buffers)
-
-
-def from_config(cfg: Mapping[str, Any]) -> FedExP:
-    """Build FedExP from the resolved run config."""
-    s = cfg["strategy"]
-    return FedExP(
-        clients_per_round=cfg["clients_per_round"],
-        seed=cfg["seed"],
-        fraction_evaluate=s["fraction_evaluate"],
-        epsilon=s["epsilon"],
-        epsilon_decay=s["epsilon_decay"],
-        extrapolate_buffers=s["extrapolate_buffers"],
-    )

@@ -28,6 +28,7 @@ stepped per round, batch 32, noise 64, the clients' α/β decaying by 0.98 per r
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from logging import INFO
 from typing import Any
 
@@ -36,42 +37,52 @@ import torch
 from flwr.supercore import log
 
 from fedmm import protocol
-from fedmm.config import Choice, Int, MapOf, Nullable, Number
+from fedmm.errors import ConfigError
+from fedmm.settings import Choice, Int, MapOf, Nullable, Number, setting
 from fedmm.models.generator import Generator, classifier_of, diversity_loss, label_weights, teacher_loss
 from fedmm.protocol import ClientUpdate, ModelDict
-from strategies.fedavg import FedAvg
+from objectives import fedgen as fedgen_client
+from strategies.fedavg import FedAvg, FedAvgSettings
 from strategies.selection import ClientSelector
 
-#: Keys of the ``strategy`` config group of FedGen (conf/strategy/fedgen*.yaml).
-CONFIG_SCHEMA = {
-    "fraction_evaluate": Number(ge=0.0, le=1.0),
-    "noise_dim": Int(min=1),
-    "hidden_dim": Int(min=1),
-    "ensemble_lr": Nullable(Number(gt=0), "null (the value for the dataset) or a learning rate > 0"),
-    "ensemble_lr_by_dataset": MapOf(Number(gt=0), "a mapping of dataset names to learning rates"),
-    "default_ensemble_lr": Number(gt=0),
-    "weight_decay": Number(ge=0),
-    "ensemble_epochs": Int(min=1),
-    "n_teacher_iters": Int(min=1),
-    "batch_size": Int(min=1),
-    "ensemble_alpha": Number(ge=0),
-    "ensemble_eta": Number(ge=0),
-    "optimizer": Choice("per_round", "persistent"),
-    "lr_decay": Number(gt=0, le=1),
-    "min_samples_per_label": Int(min=0),
-}
+@dataclass
+class FedGenSettings(FedAvgSettings):
+    """FedGen's server: the generator and its training (Zhu, Hong, Zhou, ICML 2021); its clients
+    run the ``fedgen`` objective (selected with the method)."""
 
+    option = "fedgen"
+    title = "FedGen"
+    companions = {"objective": "fedgen"}
+    noise_dim: int = setting(100, Int(min=1), "generator noise width", paper="100 (the port); 64 for CIFAR (the original)")
+    hidden_dim: int = setting(512, Int(min=1), "generator hidden width")
+    ensemble_lr: float | None = setting(None, Nullable(Number(gt=0), "null (the value for the dataset) or a learning rate > 0"),
+                                        "generator Adam lr; null: the value for the dataset below")
+    ensemble_lr_by_dataset: dict = setting({"cifar10": 0.0003, "cifar100": 0.0001, "femnist": 0.0003},
+                                           MapOf(Number(gt=0), "a mapping of dataset names to learning rates"),
+                                           "generator lr per dataset")
+    default_ensemble_lr: float = setting(0.0003, Number(gt=0), "generator lr for datasets not listed")
+    weight_decay: float = setting(0.01, Number(ge=0), "generator Adam weight decay")
+    ensemble_epochs: int = setting(50, Int(min=1), "generator steps per round, in ensemble_epochs / n_teacher_iters loops")
+    n_teacher_iters: int = setting(5, Int(min=1), "inner loop of the generator steps")
+    batch_size: int = setting(128, Int(min=1), "labels per generator step", paper="128 (the port); 32 (the original)")
+    ensemble_alpha: float = setting(1.0, Number(ge=0), "teacher loss weight")
+    ensemble_eta: float = setting(1.0, Number(ge=0), "diversity loss weight")
+    optimizer: str = setting("per_round", Choice("per_round", "persistent"), "per_round: a new Adam every round (the "
+                             "port) | persistent: one Adam + ExponentialLR (the original)")
+    lr_decay: float = setting(0.98, Number(gt=0, le=1), "ExponentialLR gamma (persistent only)")
+    min_samples_per_label: int = setting(1, Int(min=0), "a label is trained on when some sampled client holds more than this many")
 
-def check_config(values: Mapping[str, Any], cfg: Mapping[str, Any]) -> None:
-    """The generator's terms need the clients' objective ``fedgen``."""
-    from fedmm.errors import ConfigError
+    @property
+    def display(self) -> str:
+        return "FedGen (original)" if self.optimizer == "persistent" else self.title
 
-    if cfg["objective"]["name"] != "fedgen":
-        raise ConfigError("objective", cfg["objective"]["name"], "fedgen with strategy fedgen (the clients use the generator)")
-    if values["ensemble_epochs"] < values["n_teacher_iters"]:
-        raise ConfigError("strategy.ensemble_epochs", values["ensemble_epochs"],
-                          f">= strategy.n_teacher_iters={values['n_teacher_iters']}")
-
+    def check(self, run: Any) -> None:
+        """The generator's terms need the clients' objective ``fedgen``."""
+        super().check(run)
+        if run.objective.name != "fedgen":
+            raise ConfigError("objective", run.objective.name, "fedgen with strategy fedgen (the clients use the generator)")
+        if self.ensemble_epochs < self.n_teacher_iters:
+            raise ConfigError("strategy.ensemble_epochs", self.ensemble_epochs, f">= strategy.n_teacher_iters={self.n_teacher_iters}")
 
 class FedGen(FedAvg):
     """FedGen's server.
@@ -80,15 +91,15 @@ class FedGen(FedAvg):
     ----------
     clients_per_round, seed, fraction_evaluate, selector
         See :class:`~strategies.base.RoundLoopStrategy`.
-    settings : mapping
-        The ``strategy`` config group (keys of :data:`CONFIG_SCHEMA`), with ``ensemble_lr``
-        resolved for the dataset.
+    settings : FedGenSettings
+        With ``ensemble_lr`` resolved for the dataset (:meth:`from_settings` does it).
     """
 
-    def __init__(self, clients_per_round: int, seed: int, settings: Mapping[str, Any], fraction_evaluate: float = 0.0,
-                 selector: ClientSelector | None = None) -> None:
-        super().__init__(clients_per_round, seed, fraction_evaluate, selector)
-        self.settings = dict(settings)
+    Settings = FedGenSettings
+
+    def __init__(self, clients_per_round: int, seed: int, fraction_evaluate: float | None = None,
+                 selector: ClientSelector | None = None, **settings: Any) -> None:
+        super().__init__(clients_per_round, seed, fraction_evaluate, selector, **settings)
         self.generator: Generator | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
@@ -125,17 +136,17 @@ class FedGen(FedAvg):
 
     def extra_records(self, server_round: int, slot: int) -> dict[str, Any]:
         """The generator, from round 2 on."""
-        return {protocol.GENERATOR: self._encoded_generator} if self._encoded_generator is not None else {}
+        return {fedgen_client.GENERATOR: self._encoded_generator} if self._encoded_generator is not None else {}
 
     def reply_extras(self, server_round: int) -> dict[str, protocol.ArraySpec]:
         """Every reply carries the client's label histogram."""
-        return {protocol.LABEL_COUNTS: {protocol.LABEL_COUNTS: ((self.num_classes,), np.dtype(np.int64))}}
+        return {fedgen_client.LABEL_COUNTS: {fedgen_client.LABEL_COUNTS: ((self.num_classes,), np.dtype(np.int64))}}
 
     def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> ModelDict | None:
         """Train the generator on the uploaded models, then FedAvg."""
         if not updates:
             return None
-        counts = np.stack([u.extras[protocol.LABEL_COUNTS][protocol.LABEL_COUNTS] for u in updates])
+        counts = np.stack([u.extras[fedgen_client.LABEL_COUNTS][fedgen_client.LABEL_COUNTS] for u in updates])
         first, last = self.train_generator(server_round, [u.model for u in updates], counts)
         self.round_log.update({"generator_loss_start": first, "generator_loss_end": last})
         return super().aggregate(server_round, updates)
@@ -195,12 +206,11 @@ class FedGen(FedAvg):
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
 
-    def summary(self) -> None:
-        """Log the strategy's settings."""
-        super().summary()
-        s = self.settings
-        log(INFO, "\t    generator: noise %d, hidden %d, %d Adam steps/round at lr %g (%s), batch %d",
-            s["noise_dim"], s["hidden_dim"], s["ensemble_epochs"], s["ensemble_lr"], s["optimizer"], s["batch_size"])
+    @classmethod
+    def from_settings(cls, run: Any) -> FedGen:
+        """FedGen of a run, its generator's lr resolved for the dataset."""
+        settings = run.strategy.replace(ensemble_lr=resolve_ensemble_lr(run.strategy, run.dataset.name))
+        return cls(run.clients_per_round, run.seed, settings=settings)
 
 
 def resolve_ensemble_lr(settings: Mapping[str, Any], dataset: str) -> float:
@@ -208,11 +218,3 @@ def resolve_ensemble_lr(settings: Mapping[str, Any], dataset: str) -> float:
     if settings.get("ensemble_lr") is not None:
         return float(settings["ensemble_lr"])
     return float(settings.get("ensemble_lr_by_dataset", {}).get(dataset, settings["default_ensemble_lr"]))
-
-
-def from_config(cfg: Mapping[str, Any]) -> FedGen:
-    """Build FedGen from the resolved run config."""
-    s = dict(cfg["strategy"])
-    s["ensemble_lr"] = resolve_ensemble_lr(s, cfg["dataset"]["name"])
-    return FedGen(clients_per_round=cfg["clients_per_round"], seed=cfg["seed"], settings=s,
-                  fraction_evaluate=s["fraction_evaluate"])

@@ -7,35 +7,37 @@ authors' code) and reset all K models to it. Afterwards: recombine layer-wise.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from logging import INFO
+from dataclasses import dataclass
 from typing import Any
 
-from flwr.supercore import log
-
-from fedmm.config import AnyValue, Choice, Int, Nullable, Number
 from fedmm.protocol import ModelDict
+from fedmm.settings import Choice, Int, Nullable, Number, setting
 from strategies.aggregation import mean_models
+from strategies.base import StrategySettings
 from strategies.multimodel import MultiModelStrategy
 from strategies.recombination import GRANULARITIES, recombine, segments_for_ratio
-from strategies.secure_recombination import SecureRecombination
-from strategies.secure_recombination import check_config as check_secure
+from strategies.secure_recombination import SecureRecombination, SecureSettings
 from strategies.selection import ClientSelector
 
-#: Keys of the ``strategy`` config group of FedMR (defaults in conf/strategy/fedmr.yaml).
-CONFIG_SCHEMA = {
-    "fraction_evaluate": Number(ge=0.0, le=1.0),
-    "first_stage_rounds": Int(min=0),
-    "granularity": Choice(*GRANULARITIES),
-    "partition_ratio": Nullable(Number(gt=0, le=1), "null (layer-wise) or a number in (0, 1]; 1.0 = Indep"),
-    "secure": AnyValue(),  # checked by check_config (strategies.secure_recombination.CONFIG_SCHEMA)
-}
 
+@dataclass
+class FedMRSettings(StrategySettings):
+    """FedMR's settings (KDD'24 §4, two-stage training §4.3, FedMR-p x ablation)."""
 
-def check_config(strategy: Mapping[str, Any], cfg: Mapping[str, Any]) -> None:
-    """``strategy.secure``: its keys and values."""
-    check_secure(strategy["secure"])
+    option = "fedmr"
+    title = "FedMR"
+    first_stage_rounds: int = setting(0, Int(min=0), "rounds of plain aggregation first (two-stage training)",
+                                      paper="0 (CNN), 100 (ResNet-20, VGG-16)", label="first stage {}")
+    granularity: str = setting("tensor", Choice(*GRANULARITIES), "tensor: each state_dict entry on its own (the authors' "
+                               "code) | layer: whole modules move together", label="{} granularity")
+    partition_ratio: float | None = setting(None, Nullable(Number(gt=0, le=1), "null (layer-wise) or a number in (0, 1]; 1.0 = Indep"),
+                                            '"FedMR-p x": ceil(1/x) contiguous segments share one permutation; 1.0 = Indep')
+    secure: SecureSettings = setting(SecureSettings(), help="secure recombination: clients swap layers, sealed end to "
+                                     "end, relayed by the server (docs/secure_recombination.md)")
 
+    @property
+    def display(self) -> str:
+        return "Indep" if self.partition_ratio == 1.0 else self.title
 
 class FedMR(MultiModelStrategy):
     """FedMR on the multi-model base: only :meth:`update_models` differs.
@@ -53,25 +55,19 @@ class FedMR(MultiModelStrategy):
         has its own permutation (FedMR proper); 1.0: whole models are shuffled ("Indep").
     secure : SecureRecombination, optional
         Clients exchange layers among themselves, sealed end to end, before upload (and/or
-        before training), so that the server cannot tell who trained which layer.
+        before training), so that the server cannot tell who trained which layer (default:
+        built from ``settings.secure`` when enabled).
     """
 
-    def __init__(
-        self,
-        num_models: int,
-        seed: int,
-        fraction_evaluate: float = 0.0,
-        first_stage_rounds: int = 0,
-        granularity: str = "tensor",
-        partition_ratio: float | None = None,
-        selector: ClientSelector | None = None,
-        secure: SecureRecombination | None = None,
-    ) -> None:
-        super().__init__(num_models, seed, fraction_evaluate, selector)
-        self.first_stage_rounds = first_stage_rounds
-        self.granularity = granularity
-        self.segments = segments_for_ratio(partition_ratio)
-        self.secure = secure
+    Settings = FedMRSettings
+
+    def __init__(self, num_models: int, seed: int, fraction_evaluate: float | None = None,
+                 selector: ClientSelector | None = None, secure: SecureRecombination | None = None, **settings: Any) -> None:
+        if secure is not None:  # a relay given as an object: its settings are the method's
+            settings["secure"] = secure.settings()
+        super().__init__(num_models, seed, fraction_evaluate, selector, **settings)
+        self.segments = segments_for_ratio(self.settings.partition_ratio)
+        self.secure = secure if secure is not None else SecureRecombination.from_settings(self.settings.secure)
 
     def run_round(self, server_round, grid, arrays, config, timeout):  # type: ignore[no-untyped-def]
         """Plain FedMR: one train phase; with secure recombination, its phases
@@ -86,30 +82,3 @@ class FedMR(MultiModelStrategy):
             aggregate = mean_models(models)
             return [aggregate] * self.num_models
         return recombine(models, self.rng, self.granularity, self.segments)
-
-    def summary(self) -> None:
-        """Log the strategy's settings."""
-        super().summary()
-        log(
-            INFO,
-            "\t    first_stage_rounds=%d granularity=%s segments=%s",
-            self.first_stage_rounds,
-            self.granularity,
-            self.segments,
-        )
-        if self.secure is not None:
-            log(INFO, "\t    %s", self.secure.describe())
-
-
-def from_config(cfg: Mapping[str, Any]) -> FedMR:
-    """Build FedMR from the resolved run config."""
-    s = cfg["strategy"]
-    return FedMR(
-        num_models=cfg["clients_per_round"],
-        seed=cfg["seed"],
-        fraction_evaluate=s["fraction_evaluate"],
-        first_stage_rounds=s["first_stage_rounds"],
-        granularity=s["granularity"],
-        partition_ratio=s["partition_ratio"],
-        secure=SecureRecombination.from_config(s["secure"]),
-    )

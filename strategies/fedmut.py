@@ -10,26 +10,26 @@ acc_rate 0.3, bound 50); the ``fedmut_fedmr_repo`` preset has the FedMR reposito
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from logging import INFO
-from typing import Any
+from dataclasses import dataclass
 
-from flwr.supercore import log
-
-from fedmm.config import Int, Number
 from fedmm.protocol import ModelDict
+from fedmm.settings import Int, Number, setting
+from strategies.base import StrategySettings
 from strategies.multimodel import MultiModelStrategy
 from strategies.mutation import acceleration, mutate
-from strategies.selection import ClientSelector
 
-#: Keys of the ``strategy`` config group of FedMut (defaults in conf/strategy/fedmut.yaml).
-CONFIG_SCHEMA = {
-    "fraction_evaluate": Number(ge=0.0, le=1.0),
-    "radius": Number(gt=0),
-    "acc_rate": Number(ge=0.0, le=1.0),
-    "bound": Int(min=1),
-}
 
+@dataclass
+class FedMutSettings(StrategySettings):
+    """FedMut's mutation (Hu et al., AAAI 2024)."""
+
+    option = "fedmut"
+    title = "FedMut"
+    radius: float = setting(4.0, Number(gt=0), "mutation radius: how far along ±Δ the models are placed",
+                            paper="4.0 (the authors' code)", label="radius {}")
+    acc_rate: float = setting(0.3, Number(ge=0.0, le=1.0), "mutation acceleration c = acc_rate · (1 − min(r / bound, 1))",
+                              paper="0.3")
+    bound: int = setting(50, Int(min=1), "rounds over which the acceleration decays to 0", paper="50", label="bound {}")
 
 class FedMut(MultiModelStrategy):
     """FedMut on the multi-model base: only :meth:`update_models` differs.
@@ -44,20 +44,7 @@ class FedMut(MultiModelStrategy):
         Mutation acceleration c = acc_rate · (1 − min(r / bound, 1)), r the 0-based round.
     """
 
-    def __init__(
-        self,
-        num_models: int,
-        seed: int,
-        fraction_evaluate: float = 0.0,
-        radius: float = 4.0,
-        acc_rate: float = 0.3,
-        bound: int = 50,
-        selector: ClientSelector | None = None,
-    ) -> None:
-        super().__init__(num_models, seed, fraction_evaluate, selector)
-        self.radius = float(radius)
-        self.acc_rate = float(acc_rate)
-        self.bound = int(bound)
+    Settings = FedMutSettings
 
     def update_models(self, server_round: int, models: list[ModelDict], trained: list[int]) -> list[ModelDict]:
         """The K next models: mutations of the round's mean along Δ = mean − previous global."""
@@ -65,21 +52,3 @@ class FedMut(MultiModelStrategy):
         c = acceleration(server_round, self.acc_rate, self.bound)
         # w_old: the global model at the round's start (round 1: the initial model)
         return mutate(self.round_mean, self.global_model, self.num_models, self.radius, c, self.rng)
-
-    def summary(self) -> None:
-        """Log the strategy's settings."""
-        super().summary()
-        log(INFO, "\t    radius=%g acc_rate=%g bound=%d", self.radius, self.acc_rate, self.bound)
-
-
-def from_config(cfg: Mapping[str, Any]) -> FedMut:
-    """Build FedMut from the resolved run config."""
-    s = cfg["strategy"]
-    return FedMut(
-        num_models=cfg["clients_per_round"],
-        seed=cfg["seed"],
-        fraction_evaluate=s["fraction_evaluate"],
-        radius=s["radius"],
-        acc_rate=s["acc_rate"],
-        bound=s["bound"],
-    )

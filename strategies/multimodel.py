@@ -13,12 +13,13 @@ cosine similarity between all the intermediate models"): ``model_cosine`` (mean 
 ``model_cosine_min`` and ``model_cosine_max`` in ``round_log``, hence in the round's row of
 ``metrics.jsonl``. It is taken over the models whose training came back this round, before the
 method's update (recombination, cross-aggregation, mutation) changes them; plot it with
-``python -m fedmm.figures cosine <run dir>...``.
+``python -m analysis.figures cosine <run dir>...``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -65,7 +66,7 @@ class MultiModelStrategy(RoundLoopStrategy):
     ----------
     num_models : int
         K: models kept on the server, and clients selected per round.
-    seed, fraction_evaluate, selector
+    seed, fraction_evaluate, selector, settings, changes
         See :class:`~strategies.base.RoundLoopStrategy`.
     """
 
@@ -75,11 +76,12 @@ class MultiModelStrategy(RoundLoopStrategy):
     log_model_cosine = True
 
     def __init__(
-        self, num_models: int, seed: int, fraction_evaluate: float = 0.0, selector: ClientSelector | None = None
+        self, num_models: int, seed: int, fraction_evaluate: float | None = None, selector: ClientSelector | None = None,
+        **settings: Any,
     ) -> None:
         if num_models < 1:
             raise ValueError(f"num_models must be >= 1, got {num_models}")
-        super().__init__(num_models, seed, fraction_evaluate, selector)
+        super().__init__(num_models, seed, fraction_evaluate, selector, **settings)
         self.num_models = num_models
         self.round_mean: ModelDict | None = None  # set while update_models runs
 

@@ -20,6 +20,7 @@ goes to the client, which corrects with c/w_i − c_i, and c ← c + (1/N) Σ_i 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from logging import INFO
 from typing import Any
 
@@ -28,29 +29,38 @@ from flwr.app import ConfigRecord
 from flwr.supercore import log
 
 from fedmm import protocol
-from fedmm.config import Choice, Number
+from fedmm.errors import ConfigError
+from fedmm.settings import Choice, Number, setting
 from fedmm.protocol import ClientUpdate, ModelDict
 from strategies.aggregation import weighted_mean_models
 from strategies.extrapolation import is_buffer
+from objectives import scaffold as scaffold_client
+from strategies.base import StrategySettings
 from strategies.fedavg import FedAvg
 from strategies.selection import ClientSelector, SeededRosterSelector
 
-#: Keys of the ``strategy`` config group of SCAFFOLD (conf/strategy/scaffold.yaml).
-CONFIG_SCHEMA = {
-    "fraction_evaluate": Number(ge=0.0, le=1.0),
-    "server_lr": Number(gt=0),
-    "weighting": Choice("uniform", "examples"),
-}
+@dataclass
+class ScaffoldSettings(StrategySettings):
+    """SCAFFOLD's server (Karimireddy et al., ICML 2020, Option II); its clients run the
+    ``scaffold`` objective (selected with the method)."""
 
+    option = "scaffold"
+    title = "SCAFFOLD"
+    companions = {"objective": "scaffold"}
+    server_lr: float = setting(1.0, Number(gt=0), "η_g", paper="1.0")
+    weighting: str = setting("uniform", Choice("uniform", "examples"), "uniform: x += η_g mean(Δy_i), c += Σ Δc_i / N "
+                             "(the paper) | examples: the lab variant (data-size weights)")
 
-def check_config(values: Mapping[str, Any], cfg: Mapping[str, Any]) -> None:
-    """The server's control variate is useless without the client plugin, and vice versa."""
-    from fedmm.errors import ConfigError
+    @property
+    def display(self) -> str:
+        return "SCAFFOLD (lab)" if self.weighting == "examples" else self.title
 
-    if cfg["objective"]["name"] != "scaffold":
-        raise ConfigError("objective", cfg["objective"]["name"], "scaffold or scaffold_lab with strategy scaffold "
-                          "(the clients must apply and update the control variates)")
-
+    def check(self, run: Any) -> None:
+        """The server's control variate is useless without the client objective, and vice versa."""
+        super().check(run)
+        if run.objective.name != "scaffold":
+            raise ConfigError("objective", run.objective.name, "scaffold or scaffold_lab with strategy scaffold "
+                              "(the clients must apply and update the control variates)")
 
 def scaffold_step(
     x: Mapping[str, np.ndarray],
@@ -106,22 +116,14 @@ class Scaffold(FedAvg):
         from the roster query, which :func:`from_config` asks for).
     """
 
-    def __init__(
-        self,
-        clients_per_round: int,
-        seed: int,
-        num_clients: int,
-        fraction_evaluate: float = 0.0,
-        server_lr: float = 1.0,
-        weighting: str = "uniform",
-        selector: ClientSelector | None = None,
-    ) -> None:
-        super().__init__(clients_per_round, seed, fraction_evaluate, selector)
+    Settings = ScaffoldSettings
+
+    def __init__(self, clients_per_round: int, seed: int, num_clients: int, fraction_evaluate: float | None = None,
+                 selector: ClientSelector | None = None, **settings: Any) -> None:
+        super().__init__(clients_per_round, seed, fraction_evaluate, selector, **settings)
         if num_clients < 1:
             raise ValueError(f"num_clients must be >= 1, got {num_clients}")
         self.num_clients = int(num_clients)
-        self.server_lr = float(server_lr)
-        self.weighting = weighting
         self.control: ModelDict | None = None
         self._encoded_control: Any = None
         self._data_weights: dict[int, float] = {}
@@ -148,15 +150,15 @@ class Scaffold(FedAvg):
 
     def extra_records(self, server_round: int, slot: int) -> dict[str, Any]:
         """c (and, ``examples`` weighting, the node's data weight)."""
-        records: dict[str, Any] = {protocol.CONTROL: self._encoded_control}
+        records: dict[str, Any] = {scaffold_client.CONTROL: self._encoded_control}
         if self.weighting == "examples":
-            records[protocol.CONTROL_CONFIG] = ConfigRecord({protocol.CONTROL_WEIGHT: self._data_weights[self._slot_nodes[slot]]})
+            records[scaffold_client.CONTROL_CONFIG] = ConfigRecord({scaffold_client.CONTROL_WEIGHT: self._data_weights[self._slot_nodes[slot]]})
         return records
 
     def reply_extras(self, server_round: int) -> dict[str, protocol.ArraySpec]:
         """Every reply carries Δc_i, shaped like c."""
         assert self.control is not None
-        return {protocol.CONTROL_DELTA: protocol.array_spec(self.control)}
+        return {scaffold_client.CONTROL_DELTA: protocol.array_spec(self.control)}
 
     def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> ModelDict | None:
         """x and c as in the module docstring."""
@@ -166,7 +168,7 @@ class Scaffold(FedAvg):
         examples = [u.num_examples for u in updates]
         lab = self.weighting == "examples"
         x, c = scaffold_step(
-            self.models[0], self.control, [u.model for u in updates], [u.extras[protocol.CONTROL_DELTA] for u in updates],
+            self.models[0], self.control, [u.model for u in updates], [u.extras[scaffold_client.CONTROL_DELTA] for u in updates],
             examples, self.num_clients, self.server_lr,
             model_weights=examples if lab else None,
             control_weights=[self._data_weights[u.node_id] for u in updates] if lab else None,
@@ -183,20 +185,12 @@ class Scaffold(FedAvg):
         super().load_state_dict(state)
         self.control = state["control"]
 
-    def summary(self) -> None:
-        """Log the strategy's settings."""
-        super().summary()
-        log(INFO, "\t    server_lr=%g weighting=%s N=%d", self.server_lr, self.weighting, self.num_clients)
-
-
-def from_config(cfg: Mapping[str, Any]) -> Scaffold:
-    """Build SCAFFOLD from the resolved run config."""
-    s = cfg["strategy"]
-    selector = None
-    if s["weighting"] == "examples":
-        selector = SeededRosterSelector(
-            cfg["seed"], query_config={protocol.ROSTER_EXAMPLES: 1, protocol.RUN_CONFIG: protocol.run_config_record(cfg)})
-    return Scaffold(
-        clients_per_round=cfg["clients_per_round"], seed=cfg["seed"], num_clients=cfg["num_clients"],
-        fraction_evaluate=s["fraction_evaluate"], server_lr=s["server_lr"], weighting=s["weighting"], selector=selector,
-    )
+    @classmethod
+    def from_settings(cls, run: Any) -> Scaffold:
+        """SCAFFOLD of a run: N from ``num_clients``; the ``examples`` weighting asks the nodes
+        for their sizes in the roster query."""
+        selector = None
+        if run.strategy.weighting == "examples":
+            selector = SeededRosterSelector(
+                run.seed, query_config={protocol.ROSTER_EXAMPLES: 1, protocol.RUN_CONFIG: protocol.run_config_record(run)})
+        return cls(run.clients_per_round, run.seed, run.num_clients, selector=selector, settings=run.strategy)

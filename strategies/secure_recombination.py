@@ -44,33 +44,38 @@ from flwr.serverapp import Grid
 from flwr.supercore import log
 
 from fedmm import protocol
-from fedmm.config import Bool, Choice, ConfigError, Int, Nullable, check_keys
+from fedmm.errors import ConfigError
+from fedmm.settings import Bool, Choice, Int, Nullable, Settings, setting
 from fedmm.layers import layer_units
 from fedmm.secure import MAX_ATTEMPTS, MAX_REPETITIONS, MODES, RETURN, SEND, LayerCodec, exchanges_of
 
 if TYPE_CHECKING:
     from strategies.multimodel import MultiModelStrategy
 
-#: Keys of ``strategy.secure`` (defaults in conf/strategy/fedmr.yaml).
-CONFIG_SCHEMA = {
-    "enabled": Bool(),
-    "mode": Choice(*MODES),
-    "repetitions": Int(min=1, max=MAX_REPETITIONS),
-    "min_layers": Int(min=0),
-    "max_layers": Nullable(Int(min=1), "null (half the model's layers, rounded up) or an integer >= 1"),
-    "pad": Bool(),
-    "max_attempts": Int(min=1, max=MAX_ATTEMPTS),
-}
+@dataclass
+class SecureSettings(Settings):
+    """``strategy.secure`` of FedMR (docs/secure_recombination.md)."""
 
+    enabled: bool = setting(False, Bool(), "exchange layers among the clients, sealed end to end", label="secure")
+    mode: str = setting("both", Choice(*MODES), "before | after | both: exchange dispatched layers before training, "
+                        "trained layers before upload, or both")
+    repetitions: int = setting(2, Int(min=1, max=MAX_REPETITIONS), "r_s: repetitions of the 4 stages per exchange "
+                               "(2·r_s + 2 round trips each)", paper="2")
+    min_layers: int = setting(1, Int(min=0), "n_l: each client sends n ~ U[n_l, n_u] layers per repetition", paper="1")
+    max_layers: int | None = setting(None, Nullable(Int(min=1), "null (half the model's layers, rounded up) or an integer >= 1"),
+                                     "n_u; null: half the model's layers (rounded up)")
+    pad: bool = setting(False, Bool(), "pad every layer to the largest one so sizes do not reveal the layer index")
+    max_attempts: int = setting(2, Int(min=1, max=MAX_ATTEMPTS), "a failed participant is dropped and the exchange "
+                                "retried without it, this many tries in all")
 
-def check_config(secure: Any) -> None:
-    """Check ``strategy.secure`` (keys, values, n_l ≤ n_u)."""
-    if not isinstance(secure, Mapping):
-        raise ConfigError("strategy.secure", secure, "a mapping with the keys " + ", ".join(CONFIG_SCHEMA))
-    check_keys("strategy.secure.", secure, CONFIG_SCHEMA)
-    if secure["max_layers"] is not None and secure["min_layers"] > secure["max_layers"]:
-        raise ConfigError("strategy.secure.min_layers", secure["min_layers"], f"at most strategy.secure.max_layers={secure['max_layers']}")
+    def check_values(self, prefix: str) -> None:
+        if self.max_layers is not None and self.min_layers > self.max_layers:
+            raise ConfigError(f"{prefix}min_layers", self.min_layers, f"at most {prefix}max_layers={self.max_layers}")
 
+    def label_parts(self) -> list[str]:
+        if not self.enabled:
+            return []
+        return [f"secure {self.mode}, r_s {self.repetitions}" + (", padded" if self.pad else "")]
 
 @dataclass(frozen=True)
 class Relay:
@@ -151,10 +156,16 @@ class SecureRecombination:
         self.dispatched: dict[int, protocol.ModelDict] = {}
 
     @classmethod
-    def from_config(cls, secure: Mapping[str, Any]) -> SecureRecombination | None:
-        if not secure.get("enabled", False):
+    def from_settings(cls, secure: SecureSettings) -> SecureRecombination | None:
+        """The relay of ``strategy.secure`` (None when it is off)."""
+        if not secure.enabled:
             return None
-        return cls(secure["mode"], secure["repetitions"], secure["min_layers"], secure["max_layers"], secure["pad"], secure["max_attempts"])
+        return cls(secure.mode, secure.repetitions, secure.min_layers, secure.max_layers, secure.pad, secure.max_attempts)
+
+    def settings(self) -> SecureSettings:
+        """This relay's settings (enabled)."""
+        return SecureSettings(enabled=True, mode=self.mode, repetitions=self.repetitions, min_layers=self.min_layers,
+                              max_layers=self.max_layers, pad=self.pad, max_attempts=self.max_attempts)
 
     def describe(self) -> str:
         return (
@@ -366,23 +377,20 @@ class SecureRecombination:
         messages = {node: self._message(rnd, protocol.SECURE_UPLOAD, node, secure) for node in rnd.alive}
         rnd.train_pending = False
         placeholder = {slot: SimpleNamespace(message_id=f"secure-dropped-{slot}", dst_node_id=node) for slot, node in enumerate(rnd.node_ids)}
-        s._pending = [messages[node].metadata if node in messages else placeholder[slot] for slot, node in enumerate(rnd.node_ids)]
-        s._begin_replies(rnd.server_round)
+        pending = [messages[node].metadata if node in messages else placeholder[slot] for slot, node in enumerate(rnd.node_ids)]
+        s.expect_replies(rnd.server_round, pending)
         self._send(rnd, list(messages.values()), on_reply=s.accept_reply)
-        accepted = {u.slot for u in s._round_updates}
+        accepted = {u.slot for u in s.accepted_updates()}
         failed = [node for node in rnd.alive if rnd.slot(node) not in accepted]
         if failed and not final:
             for node in failed:
-                reason = next((r for r in s._round_rejected if r.startswith((f"node {node}:", f"node {node} ("))), "no reply within the round timeout")
-                rnd.drop(node, reason.split(": ", 1)[-1])
-            s._begin_replies(rnd.server_round)
+                rnd.drop(node, s.rejection(node) or "no reply within the round timeout")
+            s.expect_replies(rnd.server_round, pending)
             return True
         for node, why in rnd.dropped.items():
-            slot = rnd.slot(node)
-            s._round_seen.add(slot)
-            s._round_rejected.append(f"node {node} (model {s.model_for_slot(slot)}): dropped from secure recombination: {why}")
+            s.fail_slot(rnd.slot(node), f"dropped from secure recombination: {why}")
         # the padding the clients sealed (their own count: the server cannot tell padding from layer)
-        s.round_log["secure_padding_bytes"] = float(sum(u.metrics.get(protocol.SECURE_PADDING_SEALED, 0.0) for u in s._round_updates))
+        s.round_log["secure_padding_bytes"] = float(sum(u.metrics.get(protocol.SECURE_PADDING_SEALED, 0.0) for u in s.accepted_updates()))
         if rnd.exchanged and not failed:
             log(INFO, "round %d: secure recombination: %d round trips, %d ciphertext bytes relayed", rnd.server_round, rnd.round_trips, rnd.relayed_bytes)
         return bool(failed)

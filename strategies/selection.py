@@ -10,6 +10,7 @@ import time
 from abc import ABC, abstractmethod
 from logging import INFO, WARNING
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -19,6 +20,7 @@ from flwr.supercore import log
 from fedmm import protocol
 from fedmm.interrupt import raise_if_stopped
 from fedmm.protocol import ClientUpdate, ModelDict
+from fedmm.settings import Settings
 
 
 class NotEnoughNodes(RuntimeError):
@@ -173,3 +175,16 @@ class SeededRosterSelector(ClientSelector):
         nodes = self.ordered_nodes(grid, count)
         rng = np.random.default_rng([self.seed, server_round] + ([stream] if stream else []))
         return [nodes[i] for i in rng.choice(len(nodes), size=count, replace=False)]
+
+
+@dataclass
+class UniformSettings(Settings):
+    """Uniform sampling: K distinct clients per round, drawn with rng(seed, round) over the
+    clients ordered by their stable keys (the same clients for the same seed on every run)."""
+
+    group = "selection"
+    option = "uniform"
+
+    def build(self, run: Any) -> ClientSelector | None:
+        """The selector of a run (None: the strategy's default, :class:`SeededRosterSelector`)."""
+        return None

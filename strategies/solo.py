@@ -15,23 +15,30 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from fedmm.config import Number
+from dataclasses import dataclass
+
 from fedmm.protocol import ClientUpdate, ModelDict
 from strategies.aggregation import mean_models
-from strategies.base import RoundLoopStrategy
+from strategies.base import RoundLoopStrategy, StrategySettings
 from strategies.selection import ClientSelector
 
-#: Keys of the ``strategy`` config group of SOLO (defaults in conf/strategy/solo.yaml).
-CONFIG_SCHEMA = {"fraction_evaluate": Number(ge=0.0, le=1.0)}
+
+@dataclass
+class SoloSettings(StrategySettings):
+    """SOLO has no settings beyond the base's."""
+
+    option = "solo"
+    title = "SOLO"
 
 
 class Solo(RoundLoopStrategy):
     """Local training only: one model per client, kept by the server between the client's rounds."""
 
-    def __init__(
-        self, clients_per_round: int, seed: int, fraction_evaluate: float = 0.0, selector: ClientSelector | None = None
-    ) -> None:
-        super().__init__(clients_per_round, seed, fraction_evaluate, selector)
+    Settings = SoloSettings
+
+    def __init__(self, clients_per_round: int, seed: int, fraction_evaluate: float | None = None,
+                 selector: ClientSelector | None = None, **settings: Any) -> None:
+        super().__init__(clients_per_round, seed, fraction_evaluate, selector, **settings)
         self.initial: ModelDict | None = None
         #: node key -> that client's latest model.
         self.local_models: dict[str, ModelDict] = {}
@@ -75,8 +82,3 @@ class Solo(RoundLoopStrategy):
         self.initial = state["initial"]
         self.local_models = dict(state["local_models"])
 
-
-def from_config(cfg: Mapping[str, Any]) -> Solo:
-    """Build SOLO from the resolved run config."""
-    return Solo(clients_per_round=cfg["clients_per_round"], seed=cfg["seed"],
-                fraction_evaluate=cfg["strategy"]["fraction_evaluate"])

@@ -15,10 +15,6 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-# The packages that register the schemas of their config groups (as the entry points do).
-import client_app.local_update  # noqa: E402, F401
-import strategies  # noqa: E402, F401
-
 
 @pytest.fixture(autouse=True)
 def flower_task_identity():

@@ -13,7 +13,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("fedmm", "client_app", "server_app", "strategies")
 #: The composition root: may import both apps; nothing imports it.
-ROOT = {"fedmm.cli", "fedmm.__main__"}
+ROOT = {"launch.cli", "fedmm.__main__"}
 
 
 def module_name(path: Path) -> str:
@@ -62,9 +62,13 @@ def test_the_parser_sees_imports() -> None:
 @pytest.mark.parametrize(
     ("layer", "forbidden"),
     [
-        ("fedmm", {"client_app", "server_app", "strategies"}),  # the shared library knows no app
-        ("client_app", {"strategies", "server_app"}),  # a ClientApp never loads server code
-        ("strategies", {"client_app", "server_app"}),  # strategies never import an app
+        # the ground: the shared library knows no method, no app, no tool
+        ("fedmm", {"objectives", "strategies", "client_app", "server_app", "analysis", "launch"}),
+        ("objectives", {"strategies", "client_app", "server_app", "analysis", "launch"}),  # the client's half of a method
+        ("strategies", {"client_app", "server_app", "analysis", "launch"}),  # the server's half (may name its objective's records)
+        ("client_app", {"strategies", "server_app", "analysis", "launch"}),  # a ClientApp never loads server code
+        ("server_app", {"client_app", "analysis", "launch"}),  # the ServerApp loads no client code
+        ("analysis", {"launch", "client_app", "server_app"}),  # reports read run directories and declarations
     ],
 )
 def test_layers_point_one_way(layer: str, forbidden: set[str]) -> None:
@@ -76,6 +80,76 @@ def test_layers_point_one_way(layer: str, forbidden: set[str]) -> None:
         if top(name) in forbidden
     ]
     assert not bad, bad
+
+
+def resolved_graph() -> dict[str, set[str]]:
+    """module -> the project modules it imports (``from pkg import submodule`` is an arrow to the
+    submodule; a module's own enclosing packages, which Python imports first anyway, are no arrow)."""
+    modules = all_modules()
+    names = set(modules)
+
+    def resolve(name: str) -> str | None:
+        parts = name.split(".")
+        for i in range(len(parts), 0, -1):
+            candidate = ".".join(parts[:i])
+            if candidate in names:
+                return candidate
+        return None
+
+    graph = {}
+    for module, imported in modules.items():
+        targets = {resolve(n) for n in imported} - {None, module}
+        targets = {t for t in targets if not module.startswith(t + ".")}
+        # `from pkg import sub` names both pkg and pkg.sub: the arrow is to the submodule
+        targets = {t for t in targets if not any(o.startswith(t + ".") for o in targets)}
+        graph[module] = targets
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circle() -> None:
+    """Every import, top-level or inside a function, points one way: no module reaches itself."""
+    assert cycles(resolved_graph()) == []
+
+
+def test_the_circle_check_finds_a_circle() -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
 def test_nothing_imports_the_composition_root() -> None:

@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from client_app.local_update import ASAM, asam_perturbation, build_local_update
+from objectives.asam import ASAM, asam_perturbation
+from objectives.base import build_local_update
 from fedmm.config import compose, to_container
 
 

@@ -104,7 +104,7 @@ def test_time_left_uses_the_steady_state_rounds_and_titles_name_model_and_alpha(
     history = [{"round": 0, "seconds": 1.0}, {"round": 1, "seconds": 20.0}, {"round": 2, "seconds": 24.0}, {"round": 3, "seconds": 28.0}]
     assert time_left(history, 10) == "~28s left"  # 4 s per round after round 1's warm-up, 7 rounds left
     assert time_left(history[:1], 10) == "starting"
-    cfg = to_container(compose(["strategy=fedmr", "partition.alpha=0.1", "model=lenet"]))
+    cfg = compose(["strategy=fedmr", "partition.alpha=0.1", "model=lenet"])
     assert plot_title(cfg) == "fedmr · lenet · mnist5k · Dir(α=0.1) · seed 0"
 
 

@@ -116,4 +116,4 @@ def test_resume_config_continues_the_run_and_allows_only_safe_changes(tmp_path) 
     # a run written before the selection group existed resumes with uniform selection
     del cfg["selection"]
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
-    assert resume_config(tmp_path)["selection"] == {"name": "uniform"}
+    assert resume_config(tmp_path).selection.to_dict() == {"name": "uniform"}

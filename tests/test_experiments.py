@@ -30,8 +30,8 @@ from fedmm import protocol
 from fedmm.config import CONF_DIR, GROUPS, compose, validate
 from fedmm.data import input_spec, load_partition
 from fedmm.models import model_for
-from fedmm.paper_numbers import PAPER_TABLES, Setting
-from fedmm.report import method_label, paper_maps, paper_setting
+from analysis.paper_numbers import PAPER_TABLES, Setting
+from analysis.report import method_label, paper_maps, paper_setting
 from strategies import build_strategy
 from tests.fakes import FakeGrid
 from tests.test_text import sent140_users, shakespeare_users, write_leaf
@@ -141,7 +141,7 @@ def preset_points(name: str) -> tuple[tuple[tuple[str, ...], dict[str, Any]], ..
     out = []
     for point in sweep_points(name):
         try:
-            out.append((point, validate(point_config(name, point))))
+            out.append((point, validate(point_config(name, point)).to_dict()))
         except Exception as err:
             raise AssertionError(f"fedmm -m +experiment={name}: the job {' '.join(point)} fails: {err}") from err
     return tuple(out)

@@ -12,7 +12,9 @@ import torch
 from flwr.app import RecordDict
 from torch.nn import functional as F
 
-from client_app.local_update import FedGenClient, build_local_update
+from objectives.base import build_local_update
+from objectives import fedgen as fedgen_client
+from objectives.fedgen import FedGenClient
 from fedmm import protocol
 from fedmm.config import compose, to_container
 from fedmm.data import InputSpec
@@ -96,8 +98,8 @@ def test_server_trains_the_generator_and_its_loss_goes_down() -> None:
     strategy.prepare_round(1, [])
     assert strategy.extra_records(1, 0) == {}
     strategy.prepare_round(2, [])
-    assert protocol.GENERATOR in strategy.extra_records(2, 0)
-    assert strategy.reply_extras(2) == {protocol.LABEL_COUNTS: {protocol.LABEL_COUNTS: ((10,), np.dtype(np.int64))}}
+    assert fedgen_client.GENERATOR in strategy.extra_records(2, 0)
+    assert strategy.reply_extras(2) == {fedgen_client.LABEL_COUNTS: {fedgen_client.LABEL_COUNTS: ((10,), np.dtype(np.int64))}}
     # checkpoint round trip
     again = build_strategy(cfg)
     again.load_state_dict(strategy.state_dict())
@@ -115,11 +117,11 @@ def test_client_terms_from_round_two_and_its_label_histogram() -> None:
     loss, logits = first.loss(model, x, y)
     assert first.generator is None and float(loss) == pytest.approx(float(F.cross_entropy(logits, y)))  # round 1: CE
     cfg["training"]["local_epochs"] = 1
-    counts = first.end(model)[protocol.LABEL_COUNTS][protocol.LABEL_COUNTS].numpy()
+    counts = first.end(model)[fedgen_client.LABEL_COUNTS][fedgen_client.LABEL_COUNTS].numpy()
     assert counts.tolist() == [2, 1, 0, 3, 0, 0, 0, 0, 0, 0]
 
     gen = Generator(cfg["strategy"]["noise_dim"], 10, model.latent_dim)
-    content = RecordDict({protocol.GENERATOR: model_to_record({k: v.numpy() for k, v in gen.state_dict().items()})})
+    content = RecordDict({fedgen_client.GENERATOR: model_to_record({k: v.numpy() for k, v in gen.state_dict().items()})})
     second = FedGenClient(cfg, RecordDict(), content)
     second.begin(model, 2)
     assert second.alpha == pytest.approx(0.2) and second.beta == pytest.approx(0.2)  # mnist5k: the default

@@ -12,7 +12,7 @@ import torch
 import yaml
 from flwr.app import ConfigRecord, MetricRecord, RecordDict
 
-from fedmm import figures as F
+from analysis import figures as F
 from fedmm.config import compose, to_container
 from fedmm.protocol import model_to_record, record_to_model
 from strategies.fedmr import FedMR

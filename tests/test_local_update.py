@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import pytest
 import torch
 
-from client_app.local_update import FedProx, FedRL, LocalUpdate, build_local_update, resolve_mu
+from objectives.base import LocalUpdate, ObjectiveSettings, build_local_update, resolve_mu
+from objectives.fedprox import FedProx
+from objectives.fedrl import FedRL
 from client_app.training import train
 from fedmm.config import compose, to_container
 from fedmm.data import ImageNormalize, TensorData, input_spec
@@ -124,18 +128,23 @@ def test_mu_resolution_follows_the_paper_table() -> None:
 
 
 def test_lr_schedule_divides_at_decay_rounds() -> None:
-    from client_app.training import round_lr
+    from fedmm.training import round_lr
 
     training = {"lr": 0.01, "lr_decay_rounds": [40, 80], "lr_decay_factor": 0.1}
     assert [round_lr(training, r) for r in (1, 39, 40, 79, 80, 120)] == pytest.approx([0.01, 0.01, 0.001, 0.001, 0.0001, 0.0001])
     assert np.isclose(round_lr({**training, "lr_decay_rounds": []}, 100), 0.01)
 
 
+@dataclass
+class CountingSettings(ObjectiveSettings):
+    """A test objective without settings (declared by the fixture below, for its test only)."""
+
+
 class CountingUpdate(LocalUpdate):
-    """A plugin that uses every hook: reads an extra record, keeps state across rounds, replaces
+    """An objective that uses every hook: reads an extra record, keeps state across rounds, replaces
     the optimizer step, adds a reply record."""
 
-    name = "counting"
+    Settings = CountingSettings
 
     def begin(self, model, server_round):
         self.offset = float(self.content["extra"]["offset"])  # an extra record of the train message
@@ -153,13 +162,21 @@ class CountingUpdate(LocalUpdate):
         return {"steps": ArrayRecord({"n": Array(np.array([self.steps, rounds, self.offset]))})}
 
 
-def test_a_plugin_reads_extra_records_keeps_state_steps_and_adds_reply_records(monkeypatch) -> None:
+@pytest.fixture
+def counting_objective():
+    """``objective=counting`` declared for one test only."""
+    from fedmm import settings
+
+    settings._DECLARED[("objective", "counting")] = CountingSettings
+    yield
+    del settings._DECLARED[("objective", "counting")]
+
+
+def test_a_plugin_reads_extra_records_keeps_state_steps_and_adds_reply_records(counting_objective) -> None:
     from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
-    from client_app import client_app, local_update
+    from client_app import client_app
     from fedmm import protocol
-
-    monkeypatch.setitem(local_update.PLUGINS, "counting", CountingUpdate)
     cfg = to_container(compose(["num_clients=4", "clients_per_round=2", "training.local_epochs=1"]))
     cfg["objective"] = {"name": "counting"}
     context = Context(run_id=1, node_id=7, node_config={"partition-id": 1, "num-partitions": 4}, state=RecordDict(), run_config={})

@@ -232,15 +232,16 @@ def test_seed_determinism(name: str) -> None:
     assert any(not torch.equal(a[k], c[k]) for k in a)
 
 
-def test_model_config_files() -> None:
-    conf_dir = Path(__file__).resolve().parents[1] / "conf" / "model"
-    names = []
-    for path in sorted(conf_dir.glob("*.yaml")):
-        cfg = yaml.safe_load(path.read_text())
-        extra = {"embedding_dim": 100} if path.stem == "sent_lstm" else {}
-        assert cfg == {"name": path.stem, "projection_dim": "${oc.select:objective.projection_dim,null}", **extra}
-        names.append(cfg["name"])
-    assert sorted(names) == sorted(MODEL_NAMES)
+def test_every_model_is_an_option_whose_head_follows_the_objective() -> None:
+    from fedmm.config import compose, group_options, to_container
+
+    assert sorted(group_options("model")) == sorted(MODEL_NAMES)
+    for name in MODEL_NAMES:
+        cfg = to_container(compose([f"model={name}"], validate_config=False))["model"]
+        extra = {"embedding_dim": 100} if name == "sent_lstm" else {}
+        assert cfg == {"name": name, "projection_dim": None, **extra}
+    moon = to_container(compose(["model=lenet", "strategy=moon"], validate_config=False))
+    assert moon["model"]["projection_dim"] == moon["objective"]["projection_dim"] == 256
 
 
 @pytest.mark.parametrize("name", IMAGE_MODEL_NAMES)

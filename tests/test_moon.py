@@ -10,7 +10,9 @@ import pytest
 import torch
 from flwr.app import RecordDict
 
-from client_app.local_update import Moon, build_local_update, contrastive_loss
+from objectives.base import build_local_update
+from objectives import moon
+from objectives.moon import Moon, contrastive_loss
 from fedmm import protocol
 from fedmm.config import compose, to_container
 from fedmm.data import InputSpec
@@ -56,8 +58,8 @@ def test_frozen_models_get_no_gradient_and_the_previous_model_is_kept() -> None:
     state = RecordDict()
     first = plugin(state)
     train_round(first, model, 1)
-    assert first.negative is None and first.metrics()[protocol.MOON_CONTRASTIVE] == 0.0  # round 1: CE only
-    assert protocol.MOON_PREVIOUS in state and first.metrics()[protocol.MOON_AGE] == 1.0
+    assert first.negative is None and first.metrics()[moon.CONTRASTIVE] == 0.0  # round 1: CE only
+    assert moon.PREVIOUS in state and first.metrics()[moon.AGE] == 1.0
     previous = {k: v.clone() for k, v in model.state_dict().items()}
 
     second = plugin(state)
@@ -73,7 +75,7 @@ def test_frozen_models_get_no_gradient_and_the_previous_model_is_kept() -> None:
         assert all(torch.equal(net.state_dict()[k], before[k]) for k in before)
     assert not torch.equal(model.state_dict()["layers.0.0.weight"], previous["layers.0.0.weight"])  # the local one moved
     second.end(model)
-    assert second.metrics()[protocol.MOON_CONTRASTIVE] > 0 and second.metrics()[protocol.MOON_AGE] == 2.0
+    assert second.metrics()[moon.CONTRASTIVE] > 0 and second.metrics()[moon.AGE] == 2.0
 
 
 @pytest.mark.parametrize("mode", ["none", "init", "global"])

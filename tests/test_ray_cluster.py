@@ -143,7 +143,7 @@ def cluster_record(address: str, driver_pid: int, timeout: float = 15) -> tuple[
 def test_two_jobs_attach_to_a_running_cluster_and_leave_it_running(ray_env, ray_head, tmp_path: Path, monkeypatch) -> None:
     import ray
 
-    from fedmm.cli import run_job
+    from launch.cli import run_job
 
     address, head, _ = ray_head
     monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
@@ -189,7 +189,7 @@ def test_two_jobs_attach_to_a_running_cluster_and_leave_it_running(ray_env, ray_
 
 
 def test_an_address_where_no_head_answers_fails_the_job_at_once(tmp_path: Path) -> None:
-    from fedmm.cli import JobFailed, run_job
+    from launch.cli import JobFailed, run_job
 
     (port,) = free_ports(1)
     cfg = to_container(compose([
@@ -242,7 +242,7 @@ def test_a_run_made_before_these_keys_resumes_on_a_cluster(tmp_path: Path) -> No
 
 
 def test_backend_config_passes_the_address_and_init_args() -> None:
-    from fedmm.cli import backend_config
+    from launch.cli import backend_config
 
     local = backend_config(to_container(compose([])))
     assert "address" not in local["init_args"] and local["init_args"]["logging_level"] == "ERROR"

@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from fedmm.config import compose, to_container
-from fedmm.paper_numbers import PAPER_TABLES
-from fedmm.report import (load_runs, main, method_label, paper_maps, paper_table, render_paper, rounds_to_reach,
+from analysis.paper_numbers import PAPER_TABLES
+from analysis.report import (load_runs, main, method_label, paper_maps, paper_table, render_paper, rounds_to_reach,
                           summarise)
 
 
@@ -197,3 +197,27 @@ def test_two_groups_of_runs_for_one_cell_are_an_error_unless_one_is_preferred(tm
     layout = render_paper(paper_table("kdd_table1"), runs, maps, prefer=["FedMR (first stage 5)"])
     assert layout.body == [["CNN", "CIFAR-10", "0.5", "70.00 (59.81) n=1"]]
     assert layout.outside == ["CNN CIFAR-10 α=0.5 / FedMR (1 run: plain): its cell holds 'FedMR (first stage 5)' (--prefer)"]
+
+
+def test_labels_come_from_the_settings_that_differ_from_their_defaults() -> None:
+    from analysis.report import method_label
+    from fedmm.config import compose
+
+    def label(*overrides: str) -> str:
+        return method_label(compose(list(overrides)).to_dict())
+
+    assert label() == "FedAvg"
+    assert label("strategy=indep") == "Indep"
+    assert label("strategy=fedmr", "strategy.first_stage_rounds=7") == "FedMR (first stage 7)"
+    assert label("strategy=feddyn") == "FedDyn" and label("strategy=feddyn", "strategy.alpha=0.1") == "FedDyn (α 0.1)"
+    assert label("strategy=scaffold_lab") == "SCAFFOLD (lab)" and label("strategy=fedgen_original") == "FedGen (original)"
+    assert label("strategy=fedasam_fedmr_repo") == "FedASAM (ρ 0.1, η 0.0)" and label("strategy=fedsam") == "FedSAM"
+    assert label("strategy=fedrl") == "FedRL" and label("strategy=fedmr", "objective=fedrl") == "FedRL (FedMR)"
+    assert label("strategy=fedprox", "objective.mu=0.1") == "FedProx (μ 0.1)"
+    assert label("strategy=clusamp_fedmr_repo") == "CluSamp (FedMR port)"
+    assert label("strategy=fedcross", "strategy.alpha=0.9") == "FedCross (α 0.9)"
+    # a run written before a key existed reads it at its default; an undeclared option keeps its name
+    old = compose(["strategy=fedmr"]).to_dict()
+    del old["strategy"]["secure"]
+    assert method_label(old) == "FedMR"
+    assert method_label({**old, "strategy": {"name": "gone"}}) == "gone"

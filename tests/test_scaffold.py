@@ -10,7 +10,9 @@ import torch
 from flwr.app import ConfigRecord, MetricRecord, RecordDict
 from torch import nn
 
-from client_app.local_update import LocalUpdate, Scaffold
+from objectives.base import LocalUpdate
+from objectives import scaffold as scaffold_client
+from objectives.scaffold import Scaffold
 from fedmm import protocol
 from fedmm.config import compose, to_container
 from fedmm.errors import ConfigError
@@ -94,7 +96,7 @@ def test_server_c_is_the_mean_of_every_clients_c_i_under_partial_participation()
     grid = FakeGrid(nodes, num_nodes=n, seed=0)
     strategy = ScaffoldServer(clients_per_round=2, seed=1, num_clients=n)
     run(strategy, grid, [1, 2, 3, 4, 5])
-    trained = [record_to_model(s[protocol.CONTROL_STATE]) for s in nodes.states.values() if protocol.CONTROL_STATE in s]
+    trained = [record_to_model(s[scaffold_client.CONTROL_STATE]) for s in nodes.states.values() if scaffold_client.CONTROL_STATE in s]
     assert 2 < len(trained) < n  # some clients trained (some twice), some never
     assert all(np.abs(ci["0.weight"]).max() > 1e-3 for ci in trained)
     for key, value in strategy.control.items():
@@ -120,9 +122,9 @@ def test_scaffold_uses_its_own_momentum_and_the_messages_carry_two_records_each_
     strategy = ScaffoldServer(clients_per_round=2, seed=0, num_clients=3)
     msgs = list(strategy.configure_train(1, initial(), ConfigRecord({"x": 1}), grid))
     down = {name for name in msgs[0].content.array_records}
-    assert down == {"arrays", protocol.CONTROL}
+    assert down == {"arrays", scaffold_client.CONTROL}
     reply = grid.send_and_receive(msgs)[0]
-    assert set(reply.content.array_records) == {"arrays", protocol.CONTROL_DELTA}
+    assert set(reply.content.array_records) == {"arrays", scaffold_client.CONTROL_DELTA}
 
 
 def test_lab_variant_sends_data_weights_from_the_roster_sizes() -> None:
@@ -136,7 +138,7 @@ def test_lab_variant_sends_data_weights_from_the_roster_sizes() -> None:
     msgs = list(strategy.configure_train(1, initial(), ConfigRecord({"x": 1}), grid))
     for m in msgs:
         n_i = sizes[grid.keys[m.metadata.dst_node_id]]
-        assert m.content[protocol.CONTROL_CONFIG][protocol.CONTROL_WEIGHT] == pytest.approx(4 * n_i / 100)
+        assert m.content[scaffold_client.CONTROL_CONFIG][scaffold_client.CONTROL_WEIGHT] == pytest.approx(4 * n_i / 100)
     strategy.aggregate_train(1, grid.send_and_receive(msgs))
     assert np.isfinite(strategy.control["0.weight"]).all()
 
@@ -156,9 +158,9 @@ def test_a_nodes_state_from_another_experiment_is_not_read() -> None:
     grid = FakeGrid(nodes, num_nodes=2, seed=0)
     run(ScaffoldServer(clients_per_round=2, seed=0, num_clients=2), grid, [1])
     state = next(iter(nodes.states.values()))
-    assert int(state[protocol.CONTROL_AGE_STATE]["rounds"]) == 1
+    assert int(state[scaffold_client.CONTROL_AGE_STATE]["rounds"]) == 1
     run(ScaffoldServer(clients_per_round=2, seed=0, num_clients=2), grid, [2])  # same experiment, next round
-    assert int(state[protocol.CONTROL_AGE_STATE]["rounds"]) == 2
+    assert int(state[scaffold_client.CONTROL_AGE_STATE]["rounds"]) == 2
     nodes.objective = {**OBJECTIVE, "clip_norm": 5.0}  # another experiment on the same nodes
     run(ScaffoldServer(clients_per_round=2, seed=0, num_clients=2), grid, [2])
-    assert int(state[protocol.CONTROL_AGE_STATE]["rounds"]) == 1
+    assert int(state[scaffold_client.CONTROL_AGE_STATE]["rounds"]) == 1

@@ -200,7 +200,7 @@ def test_multimodel_simulation_dispatch_stages_and_failing_client(tmp_path: Path
 
 @pytest.mark.parametrize("preset", ["fedprox"])  # FedRL's preset runs in tests/test_same_results.py
 def test_objective_presets_run_in_a_real_simulation(tmp_path: Path, preset: str) -> None:
-    from fedmm.cli import run_job
+    from launch.cli import run_job
 
     cfg = to_container(compose([
         f"strategy={preset}", "objective.mu=0.5", "num_rounds=1", "num_clients=4", "clients_per_round=2",
@@ -264,7 +264,7 @@ def test_a_sweep_with_a_failed_job_finishes_the_others_lists_the_failure_and_exi
     assert "[fedmm] round 1/1" in (job0 / "cli.log").read_text()  # the hydra job log has the progress lines
     # the report lays this real sweep out as a paper table (the embedded MNIST subset named as the
     # paper's CIFAR-10 only to fill a cell): ours beside the paper's value, the failed job listed
-    from fedmm.report import main as report
+    from analysis.report import main as report
 
     report([str(sweep), "--out", str(tmp_path / "report" / "kdd"), "--paper", "kdd_table1", "--map", "dataset.mnist5k=CIFAR-10"])
     table = (tmp_path / "report" / "kdd_kdd_table1.md").read_text()

@@ -164,16 +164,16 @@ def test_every_strategy_runs_on_both_text_tasks(tmp_path: Path) -> None:
     from flwr.simulation import run_simulation
 
     from client_app.client_app import app as client_app
-    from strategies import STRATEGIES
+    from fedmm.config import options
     from tests.sim_apps import recording_server_app
 
     small = {"shakespeare": write_leaf(tmp_path / "leaf-shakespeare", shakespeare_users(3, 10)),
              "sent140": write_leaf(tmp_path / "leaf-sent140", sent140_users(3, 10))}
     presets = ["fedavg", "fedprox", "fedrl", "fedmr", "fedcross", "fedmut", "fedexp", "solo", "clusamp", "scaffold",
-               "moon", "fedgen", "fedasam"]
-    assert {compose([f"strategy={p}"])["strategy"]["name"] for p in presets} == set(STRATEGIES)
+               "moon", "fedgen", "fedasam", "feddyn"]
+    assert {compose([f"strategy={p}"])["strategy"]["name"] for p in presets} == set(options("strategy"))
     cfgs = []
-    rounds = {preset: 2 if preset in ("scaffold", "moon", "fedgen") else 1 for preset in presets}
+    rounds = {preset: 2 if preset in ("scaffold", "moon", "fedgen", "feddyn") else 1 for preset in presets}
     for task in ("shakespeare", "sent140"):
         for preset in presets:
             extra = ["strategy.granularity=layer"] if preset == "fedmr" else []

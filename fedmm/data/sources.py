@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedmm.data.spec import HOLDOUT_SEED, _dataset_spec, _DatasetSpec, _TextSpec
+from fedmm.data.spec import HOLDOUT_SEED, _dataset_spec, _DatasetSpec, _TextSpec, detect_local_format
 from fedmm.data.tensors import ImageNormalize, TensorData
 from fedmm.errors import ConfigError
 
@@ -147,27 +147,6 @@ def _load_mnist5k(spec: _DatasetSpec) -> tuple[TensorData, TensorData]:
 
 
 #: What a local folder may hold.
-LOCAL_FORMATS = "a datasets.save_to_disk output, cifar-10-batches-py or cifar-100-python"
-
-
-def detect_local_format(path: str | Path) -> tuple[str, Path]:
-    """(format, folder) of a local dataset folder, from its file names only (no data is read):
-    ``cifar10``, ``cifar100`` or ``hf``. ConfigError (``dataset.path``) when it is none of them."""
-    root = Path(path)
-    if not root.is_dir():
-        raise ConfigError("dataset.path", str(path), "an existing folder: " + LOCAL_FORMATS)
-    # Accept the parent folder of the extracted CIFAR archives too.
-    for sub in ("cifar-10-batches-py", "cifar-100-python"):
-        if (root / sub).is_dir():
-            root = root / sub
-    if any((root / f).is_file() for f in ("test_batch", "batches.meta")) or list(root.glob("data_batch_*")):
-        return "cifar10", root
-    if (root / "train").is_file() or (root / "test").is_file():
-        return "cifar100", root
-    if any((root / f).is_file() for f in ("dataset_dict.json", "state.json")):
-        return "hf", root
-    found = ", ".join(sorted(p.name for p in root.iterdir())[:8]) or "nothing"
-    raise ConfigError("dataset.path", str(path), f"{LOCAL_FORMATS} (found {found} there)")
 
 
 def _load_local(spec: _DatasetSpec) -> tuple[TensorData, TensorData]:

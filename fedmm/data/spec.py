@@ -7,11 +7,13 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from fedmm.errors import ConfigError
+from fedmm.settings import Choice, Number, Settings, setting
 
 NUM_CLIENTS_KEY = "num_clients"
 
@@ -398,10 +400,131 @@ def input_spec(dataset_cfg: Mapping) -> InputSpec:
     return InputSpec(kind="image", num_classes=spec.num_classes, shape=(spec.in_channels, spec.image_size, spec.image_size))
 
 
-# ------------------------------------------------------------------------ schemas
+#: The local dataset folders ``dataset.path`` may name.
+LOCAL_FORMATS = "a datasets.save_to_disk output, cifar-10-batches-py or cifar-100-python"
 
 
-def _check_dataset_group(values: Mapping, cfg: Mapping) -> None:
+def detect_local_format(path: str | Path) -> tuple[str, Path]:
+    """(format, folder) of a local dataset folder, from its file names only (no data is read):
+    ``cifar10``, ``cifar100`` or ``hf``. ConfigError (``dataset.path``) when it is none of them."""
+    root = Path(path)
+    if not root.is_dir():
+        raise ConfigError("dataset.path", str(path), "an existing folder: " + LOCAL_FORMATS)
+    # Accept the parent folder of the extracted CIFAR archives too.
+    for sub in ("cifar-10-batches-py", "cifar-100-python"):
+        if (root / sub).is_dir():
+            root = root / sub
+    if any((root / f).is_file() for f in ("test_batch", "batches.meta")) or list(root.glob("data_batch_*")):
+        return "cifar10", root
+    if (root / "train").is_file() or (root / "test").is_file():
+        return "cifar100", root
+    if any((root / f).is_file() for f in ("dataset_dict.json", "state.json")):
+        return "hf", root
+    found = ", ".join(sorted(p.name for p in root.iterdir())[:8]) or "nothing"
+    raise ConfigError("dataset.path", str(path), f"{LOCAL_FORMATS} (found {found} there)")
+
+
+# ------------------------------------------------------------------------ settings
+_HELD_OUT = setting(0.0, Number(ge=0, lt=1, allowed="a fraction in [0, 1) of each client's rows held out for federated evaluation"),
+                    "share of each client's rows held out for federated evaluation (needed when strategy.fraction_evaluate > 0)")
+
+
+@dataclass
+class ImageDatasetSettings(Settings):
+    """An image dataset (``conf/dataset/<name>.yaml`` sets what differs from these)."""
+
+    group = "dataset"
+    keyed = False
+    options_for = tuple(n for n in DATASET_NAMES if n not in TEXT_NAMES)
+    name: str = setting("???", Choice(*options_for), "which dataset (its option file)")
+    source: str = setting("hf", Choice(*SOURCES), "embedded (shipped in a package) | hf (the hub id, or path)")
+    hf_id: str | None = setting(None, help="Hugging Face dataset id")
+    path: str | None = setting(None, help="a local folder (save_to_disk output or CIFAR python batches); wins over hf_id")
+    image_column: str | None = setting("image", help="the image column")
+    label_column: str | None = setting("label", help="the label column")
+    id_column: str | None = setting(None, help="the natural-partition id column (FEMNIST: writer_id)")
+    label_type: str | None = setting(None, help="cifar100: coarse (20 superclasses) | fine (100)")
+    num_classes: int = setting(10, help="classes")
+    in_channels: int = setting(1, help="1 (grayscale) | 3 (RGB)")
+    image_size: int = setting(28, help="side of the square images")
+    mean: list = setting([0.5], help="normalisation mean per channel")
+    std: list = setting([0.5], help="normalisation std per channel")
+    test_split: str | None = setting(None, help="the split held out for testing; null: hold out test_fraction with a fixed seed")
+    test_fraction: float = setting(0.2, help="share held out as test when there is no test split")
+    allow_partial: bool = setting(False, help="a local CIFAR folder with missing or corrupted files: refused (false) or "
+                                  "loaded with a warning (true)")
+
+    def check_values(self, prefix: str) -> None:
+        """The keys depend on each other: checked together (:func:`_dataset_spec`), and a local
+        folder must exist."""
+        _check_dataset_group(self.to_dict())
+
+
+@dataclass
+class TextDatasetSettings(Settings):
+    """A text task (LEAF's Shakespeare and Sent140: natural users, token inputs)."""
+
+    group = "dataset"
+    keyed = False
+    options_for = ("shakespeare",)
+    name: str = setting("???", Choice(*TEXT_NAMES), "which task (its option file)")
+    source: str = setting("hf", Choice("hf"), "hf (the hub id, or dataset.path: a LEAF folder, which wins when set)")
+    hf_id: str | None = setting(None, help="Hugging Face dataset id")
+    path: str | None = setting(None, help="a folder in LEAF's layout (train/*.json, test/*.json)")
+    user_column: str = setting("user", help="hub column of the user (a LEAF folder has its own layout)")
+    text_column: str = setting("text", help="hub column of the text")
+    label_column: str = setting("label", help="hub column of the label")
+    seq_len: int = setting(80, help="characters / tokens per sample")
+    num_classes: int = setting(2, help="classes")
+    test_fraction: float = setting(0.2, help="share of every user's rows held out as test (hub copy)")
+
+    def check_values(self, prefix: str) -> None:
+        _check_dataset_group(self.to_dict())
+
+
+@dataclass
+class Sent140Settings(TextDatasetSettings):
+    """Sent140: a word vocabulary and optional GloVe vectors on top of the text task."""
+
+    options_for = ("sent140",)
+    vocab_size: int = setting(10000, help="most frequent words of the training split")
+    min_count: int = setting(1, help="occurrences for a word to enter the vocabulary")
+    embeddings_path: str | None = setting(None, help="a GloVe-format text file to initialise the embedding "
+                                          "(model.embedding_dim = its width)")
+
+
+@dataclass
+class IidSettings(Settings):
+    """Uniformly random, equally sized partitions."""
+
+    group = "partition"
+    option = "iid"
+    local_test_fraction: float = _HELD_OUT
+
+    def check_values(self, prefix: str) -> None:
+        _partition_spec(self.to_dict())
+
+
+@dataclass
+class DirichletSettings(IidSettings):
+    """Label skew: per-class proportions drawn from Dir(alpha); smaller alpha = more skew."""
+
+    option = "dirichlet"
+    alpha: float = setting(0.5, help="concentration (0.1: strong skew, 0.5, 1.0)", paper="0.1, 0.5, 1.0")
+    min_partition_size: int = setting(10, help="redraw until every client has at least this many rows")
+    self_balancing: bool = setting(False, help="stop giving a client rows of a class once it holds its share")
+
+
+@dataclass
+class NaturalSettings(IidSettings):
+    """One partition per natural id (``dataset.id_column``, e.g. FEMNIST writer_id)."""
+
+    option = "natural"
+    min_samples: int = setting(0, help="keep only ids with more than this many samples",
+                               paper="100 (FEMNIST: 180 writers with > 100 samples)")
+
+
+def _check_dataset_group(values: Mapping) -> None:
     spec = _dataset_spec(values)
     path = values.get("path")
     if isinstance(spec, _TextSpec):
@@ -411,29 +534,4 @@ def _check_dataset_group(values: Mapping, cfg: Mapping) -> None:
     if path:
         if not os.path.exists(os.path.expanduser(str(path))):
             raise ConfigError("dataset.path", path, "an existing local dataset folder (save_to_disk output or CIFAR python batches), or null")
-        from fedmm.data.sources import detect_local_format
-
         detect_local_format(os.path.expanduser(str(path)))  # its format, from file names only
-
-
-def _check_partition_group(values: Mapping, cfg: Mapping) -> None:
-    _partition_spec(values)
-
-
-def _register_schemas() -> None:
-    from fedmm.config import AnyValue, Number, register_schema
-
-    # The dataset keys are checked together by _dataset_spec (they depend on each other).
-    dataset_schema = {key: AnyValue() for key in _DATASET_KEYS if key != "name"}
-    for name in DATASET_NAMES:
-        keys = _TEXT_KEYS.get(name)
-        schema = {key: AnyValue() for key in keys if key != "name"} if keys else dataset_schema
-        register_schema("dataset", name, schema, _check_dataset_group)
-    partition_keys = {"iid": (), "dirichlet": ("alpha", "min_partition_size", "self_balancing"), "natural": ("min_samples",)}
-    held_out = Number(ge=0, lt=1, allowed="a fraction in [0, 1) of each client's rows held out for federated evaluation")
-    for name, keys in partition_keys.items():
-        schema = {key: AnyValue() for key in keys} | {"local_test_fraction": held_out}
-        register_schema("partition", name, schema, _check_partition_group)
-
-
-_register_schemas()

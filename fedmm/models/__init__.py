@@ -18,10 +18,12 @@ build_model(name, spec)
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from fedmm.data.spec import InputSpec
 from fedmm.errors import ConfigError
+from fedmm.settings import Choice, Int, Nullable, Settings, setting
 from fedmm.models.cnn import _build_cnn, _build_lenet
 from fedmm.models.layered import LayeredModel, with_projection_head
 from fedmm.models.text import build_char_lstm, build_sent_lstm
@@ -122,13 +124,23 @@ def model_for(cfg: Mapping[str, Any], spec: InputSpec) -> LayeredModel:
     return build_model(cfg["model"]["name"], spec, cfg["model"].get("projection_dim"), dict(model_options(cfg)))
 
 
-def _register_schemas() -> None:
-    from fedmm.config import Int, Nullable, register_schema
+@dataclass
+class ModelSettings(Settings):
+    """A model of :data:`MODEL_NAMES` (its architecture is fixed by the name and the dataset)."""
 
-    schema = {"projection_dim": Nullable(Int(min=1), "null (no projection head) or its width, an integer >= 1")}
-    for model_name in MODEL_NAMES:
-        extra = {k: Int(min=1) for k in _OPTIONS.get(model_name, ())}
-        register_schema("model", model_name, {**schema, **extra})
+    group = "model"
+    keyed = False
+    options_for = tuple(n for n in MODEL_NAMES if n not in _OPTIONS)
+    name: str = setting("???", Choice(*MODEL_NAMES), "which architecture")
+    projection_dim: int | None = setting(
+        None, Nullable(Int(min=1), "null (no projection head) or its width, an integer >= 1"),
+        "width of a projection head before the classifier (set by objectives that need one)",
+        node="${oc.select:objective.projection_dim,null}")
 
 
-_register_schemas()
+@dataclass
+class SentLSTMSettings(ModelSettings):
+    """``sent_lstm``: its embedding width is an option (300 with 300-d GloVe vectors)."""
+
+    options_for = ("sent_lstm",)
+    embedding_dim: int = setting(100, Int(min=1), "embedding width (300 with 300-d GloVe vectors: dataset.embeddings_path)")

@@ -220,12 +220,6 @@ def log_to_job_file() -> None:
             _JOB_FILE_HANDLERS.append(handler)
 
 
-def register_schemas() -> None:
-    """Import the packages whose config groups register their schemas."""
-    import client_app.local_update  # noqa: F401
-    import strategies  # noqa: F401
-
-
 def preflight(cfg: dict[str, Any]) -> None:
     """Load the dataset before the simulation starts, so that a bad folder or hub id is one line
     now, not a traceback after Ray and the SuperNodes are up (the in-process ServerApp then
@@ -242,7 +236,6 @@ def preflight(cfg: dict[str, Any]) -> None:
 
 def job_config(cfg: DictConfig) -> dict[str, Any]:
     """The validated config of this hydra job (a fresh run, or the run given by ``resume``)."""
-    register_schemas()
     if cfg.get("resume"):
         explicit = [o for o in HydraConfig.get().overrides.task if not o.lstrip("+").startswith("resume=")]
         return config_mod.resume_config(cfg["resume"], explicit)
@@ -280,6 +273,7 @@ def main() -> None:
     from fedmm.interrupt import install_signal_handlers
 
     install_signal_handlers()
+    config_mod.register_defaults()  # every declaration's defaults, before hydra composes
     try:
         _hydra_main()
     except KeyboardInterrupt:

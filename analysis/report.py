@@ -3,7 +3,7 @@
 
     fedmm-report multirun/2026-11-21/14-06-31 --out docs/results/compare [--reference FedAvg]
     fedmm-report multirun/cifar --out docs/results/cifar --paper kdd_table1 [--all-rows]
-    python -m fedmm.report ...   (the same)
+    python -m analysis.report ...   (the same)
 
 Groups the runs under the sweep directory by every config key that differs between them (the
 seed and the run's own paths excepted): never averaging runs of different datasets, models or
@@ -20,7 +20,7 @@ Writes ``<out>.md``, ``<out>.json``, ``<out>.png`` (every partition side by side
 ``<out>_curves/<model>_<dataset>_<partition>.png``: one figure per setting, one curve per
 method (the mean over seeds, shaded ± the sample std).
 
-``--paper <table>`` (the tables of :mod:`fedmm.paper_numbers`; repeatable) also writes
+``--paper <table>`` (the tables of :mod:`analysis.paper_numbers`; repeatable) also writes
 ``<out>_<table>.md``, ``.csv``, ``.tex`` and ``.json``: one row per setting of the paper (model,
 dataset, α) and one column per method of the paper (FedRL's tables the other way round, as
 printed); each cell ours, mean ± sample std over the n seeds, and the paper's value in
@@ -50,53 +50,32 @@ from typing import Any
 import numpy as np
 import yaml
 
-from fedmm.paper_numbers import PAPER_TABLES, PaperTable, PaperValue, Setting
+from analysis.paper_numbers import PAPER_TABLES, PaperTable, PaperValue, Setting
+from fedmm.config import options
 from fedmm.results import SUMMARY_FILE, read_metrics
+from fedmm.settings import OtherSettings, Settings
 
 
-#: Strategy and client-objective names as the papers write them.
-_NAMES = {"fedavg": "FedAvg", "fedmr": "FedMR", "fedcross": "FedCross", "fedmut": "FedMut", "fedexp": "FedExP", "solo": "SOLO",
-          "scaffold": "SCAFFOLD", "fedgen": "FedGen", "fedprox": "FedProx", "fedrl": "FedRL", "moon": "MOON"}
+def declared_settings(cfg: dict[str, Any], group: str) -> Settings:
+    """The settings of one group of a run's config, read leniently (a run written before a key
+    existed gets its default; an option no longer declared keeps its values, labelled by name)."""
+    values = dict(cfg.get(group) or {})
+    cls = options(group).get(values.get("name", "uniform" if group == "selection" else "ce" if group == "objective" else ""))
+    return cls.lenient(values) if cls is not None else OtherSettings(values=values)
 
 
 def method_label(cfg: dict[str, Any]) -> str:
-    """Readable method name of a run's config."""
-    s, obj = cfg["strategy"], cfg.get("objective", {}).get("name", "ce")
-    name = _NAMES.get(s["name"], s["name"])
-    if s["name"] == "fedmr" and s.get("partition_ratio") == 1.0:
-        name = "Indep"
-    extras = []
-    if s.get("first_stage_rounds"):
-        extras.append(f"first stage {s['first_stage_rounds']}")
-    secure = s.get("secure") or {}
-    if secure.get("enabled"):
-        extras.append(f"secure {secure.get('mode')}, r_s {secure.get('repetitions')}" + (", padded" if secure.get("pad") else ""))
-    if s["name"] == "fedmut" and (s.get("radius"), s.get("bound")) != (4.0, 50):
-        extras.append(f"radius {s.get('radius')}, bound {s.get('bound')}")
-    if s["name"] == "fedexp" and s.get("epsilon_decay") == 1.0:
-        extras.append(f"ε {s.get('epsilon')} constant")
-    if s["name"] == "fedexp" and s.get("extrapolate_buffers"):
-        extras.append("buffers extrapolated")
-    if s.get("propeller_rounds") or s.get("dynamic_alpha_rounds"):
-        extras.append(f"PM {s.get('propeller_rounds', 0)} + DA {s.get('dynamic_alpha_rounds', 0)}")
-    if obj != "ce":
-        o = cfg["objective"]
-        client = _NAMES.get(obj, obj)
-        if obj == "asam":
-            client = "FedASAM" if o.get("adaptive") else "FedSAM"
-            if o.get("adaptive") and (o.get("rho"), o.get("eta")) != (0.7, 0.2):
-                client += f" (ρ {o.get('rho')}, η {o.get('eta')})"
-        if obj == "scaffold" and s.get("weighting") == "examples":
-            client += " (lab)"
-        if obj == "fedgen" and s.get("optimizer") == "persistent":
-            client += " (original)"
-        name = client + ("" if s["name"] in ("fedavg", obj) else f" ({name})")
-    sel = cfg.get("selection") or {"name": "uniform"}
-    if sel["name"] == "clustered":
-        clusamp = "CluSamp" + (" (FedMR port)" if sel.get("mode") == "fedmr_port" else "")
-        if sel.get("algorithm") == 1:
-            clusamp += " (Alg. 1)"
-        name = clusamp if name == "FedAvg" else f"{name} + {clusamp}"
+    """Readable method name of a run's config, derived from its settings declarations: the
+    method's name (a declaration may name a variant: "Indep", "SCAFFOLD (lab)"), the client
+    objective's, the selector's, and what differs from the defaults (each setting's ``label``)."""
+    strategy, objective, selection = (declared_settings(cfg, g) for g in ("strategy", "objective", "selection"))
+    name = strategy.display
+    if objective.name != "ce" and objective.name not in getattr(strategy, "companions", {}).values():
+        client = objective.display
+        name = client if strategy.name == "fedavg" else f"{client} ({name})"
+    extras = strategy.label_parts() + objective.label_parts()
+    if selection.name != "uniform":
+        name = selection.display if name == "FedAvg" else f"{name} + {selection.display}"
     return name + (f" ({', '.join(extras)})" if extras else "")
 
 

@@ -1,8 +1,8 @@
 """Analysis figures from run directories: model similarity over rounds, loss-landscape slices.
 
-    python -m fedmm.figures cosine <run dir>... --out cosine.png [--spread]
-    python -m fedmm.figures landscape <run dir> [--models 0 1 2] --out landscape.png [--max-examples 2000]
-    python -m fedmm.figures histograms <run dir>... [--out <folder>]
+    python -m analysis.figures cosine <run dir>... --out cosine.png [--spread]
+    python -m analysis.figures landscape <run dir> [--models 0 1 2] --out landscape.png [--max-examples 2000]
+    python -m analysis.figures histograms <run dir>... [--out <folder>]
 
 Each command writes the PNG and the plotted numbers as JSON next to it (``cosine.json``, ...).
 
@@ -88,7 +88,7 @@ def read_run(run_dir: Path | str) -> dict[str, Any]:
 def run_labels(runs: Sequence[Mapping[str, Any]]) -> list[str]:
     """A legend label per run: the method, then the settings that differ between the runs,
     then the seed and at last the directory name where labels would still collide."""
-    from fedmm.report import method_label, setting_keys, setting_label
+    from analysis.report import method_label, setting_keys, setting_label
 
     with_cfg = [r for r in runs if r["cfg"]]
     keys = setting_keys(with_cfg) if len(with_cfg) > 1 else []
@@ -107,7 +107,7 @@ def run_labels(runs: Sequence[Mapping[str, Any]]) -> list[str]:
 
 def run_title(cfg: Mapping[str, Any]) -> str:
     """Method · model · dataset · partition · seed, for plot titles."""
-    from fedmm.report import method_label, partition_label
+    from analysis.report import method_label, partition_label
 
     return f"{method_label(dict(cfg))} · {cfg['model']['name']} · {cfg['dataset']['name']} · {partition_label(dict(cfg))} · seed {cfg['seed']}"
 
@@ -502,7 +502,7 @@ def histograms(run_dirs: Sequence[Path | str], out: Path | None = None) -> list[
 
 # ====================================================================== command line
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fedmm.figures", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m analysis.figures", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
     cos = sub.add_parser("cosine", help="mean pairwise cosine similarity of the K models over rounds")

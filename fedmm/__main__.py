@@ -1,3 +1,0 @@
-from fedmm.cli import main
-
-main()

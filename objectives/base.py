@@ -1,0 +1,193 @@
+"""Client objectives: what a client does in its round of local training, selected by config.
+
+An objective is a :class:`LocalUpdate` subclass with a ``Settings`` declaration
+(:class:`ObjectiveSettings`) in a module of this package, or of any package named by a
+``fedmm.objective`` entry point; ``objective.name`` selects it, nothing lists it. The client
+chooses the objective from the run config, so any objective combines with any server method
+(FedRL under FedMR works).
+
+One instance serves one train message. Through it a method can
+
+- read extra records of the train message (``self.content``, e.g. a control variate);
+- keep per-node state across rounds in Flower's ``Context.state`` (``self.state``, a
+  ``RecordDict``). It lives in the node's memory: in simulation for the whole run, on a deployed
+  SuperNode until the SuperNode process restarts (a restart, like a resumed run, starts it empty);
+- define the loss of a batch (:meth:`LocalUpdate.loss`);
+- replace the optimizer step (:meth:`LocalUpdate.step`: two passes, gradient correction);
+- add records to the reply (:meth:`LocalUpdate.end`) and metrics (:meth:`LocalUpdate.metrics`).
+
+The training loop (:func:`client_app.training.train`) calls :meth:`begin` once with the model as
+received, :meth:`step` for every batch, and :meth:`end` after the last one.
+
+This package is the client's half of a method: the ClientApp imports it to train; the ServerApp
+only to validate the ``objective`` group (it never calls it). It imports nothing of either app.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from fedmm.errors import ConfigError
+from fedmm.settings import MapOf, Nullable, Number, Settings, discover, setting
+
+if TYPE_CHECKING:  # Flower only for the defaults below: the objectives train without it
+    from flwr.app import RecordDict
+
+
+@dataclass
+class ObjectiveSettings(Settings):
+    """Settings every client objective has (none); an objective's declaration extends this one."""
+
+    group = "objective"
+
+
+@dataclass
+class CESettings(ObjectiveSettings):
+    """Plain cross-entropy."""
+
+    option = "ce"
+    title = ""
+
+class LocalUpdate:
+    """Plain cross-entropy SGD; the base every other plugin extends.
+
+    Parameters
+    ----------
+    cfg : Mapping
+        The run's resolved config (``objective``, ``dataset``, ... groups).
+    state : RecordDict
+        This node's ``Context.state``: kept across rounds, empty at the node's first round.
+    content : RecordDict
+        The train message's records (``arrays``, ``config`` and any extra ones).
+    """
+
+    #: The objective's settings declaration.
+    Settings: ClassVar[type[ObjectiveSettings]] = CESettings
+    #: The node's identity across runs (its partition id in simulation; set by the ClientApp).
+    node: int = 0
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "Settings" in cls.__dict__:  # the declaration knows what it builds
+            cls.Settings.objective_class = cls
+
+    def __init__(self, cfg: Mapping[str, Any], state: RecordDict | None = None, content: RecordDict | None = None) -> None:
+        self.cfg = cfg
+        values = cfg.get("objective", {"name": self.Settings.option})
+        #: This objective's settings (``objective`` group).
+        self.params = values if isinstance(values, self.Settings) else self.Settings.from_dict(values, "objective.")
+        if state is None or content is None:
+            from flwr.app import RecordDict
+        self.state = state if state is not None else RecordDict()
+        self.content = content if content is not None else RecordDict()
+
+    # ------------------------------------------------------------------ hooks
+    def begin(self, model: nn.Module, server_round: int) -> None:
+        """Called once per round, before training, with the model as received."""
+
+    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss to minimise, logits) for one batch."""
+        logits = model(x)
+        return F.cross_entropy(logits, y), logits
+
+    def step(self, model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """One optimizer step on a batch; returns the batch loss. Override for two-pass steps
+        (SAM) or gradient corrections (SCAFFOLD)."""
+        optimizer.zero_grad(set_to_none=True)
+        loss, _ = self.loss(model, x, y)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    def end(self, model: nn.Module) -> dict[str, Any]:
+        """Extra records of the reply, by name (besides ``arrays`` and ``metrics``)."""
+        return {}
+
+    def metrics(self) -> dict[str, float]:
+        """Further metrics of the reply (after :meth:`end`)."""
+        return {}
+
+    def own_state(self) -> None:
+        """Empty ``self.state`` when it holds another experiment's entries: several experiments
+        run on one Flower run (a sweep on one simulation) share the nodes' ``Context``, and a
+        stateful plugin must not read a previous experiment's state. Call it at ``begin``."""
+        from flwr.app import ConfigRecord
+
+        from fedmm.protocol import STATE_EXPERIMENT
+
+        tag = hashlib.sha1(json.dumps(_plain(self.cfg), sort_keys=True, default=str).encode()).hexdigest()
+        held = self.state[STATE_EXPERIMENT]["id"] if STATE_EXPERIMENT in self.state else None
+        if held != tag:
+            for key in list(self.state.keys()):
+                del self.state[key]
+            self.state[STATE_EXPERIMENT] = ConfigRecord({"id": tag})
+
+    def optimizer_args(self, training: Mapping[str, Any], lr: float) -> dict[str, float]:
+        """Keyword arguments of the round's ``torch.optim.SGD`` (default: the ``training`` group's)."""
+        return {"lr": lr, "momentum": float(training["momentum"]), "weight_decay": float(training["weight_decay"])}
+
+    def mu(self) -> float:
+        """μ of the objective: ``objective.mu``, or the paper's value for the dataset."""
+        return resolve_mu(self.params, self.cfg["dataset"]["name"])
+
+
+def resolve_mu(params: Mapping[str, Any], dataset: str) -> float:
+    """``mu`` when set, else ``mu_by_dataset[dataset]``, else ``default_mu``."""
+    if params.get("mu") is not None:
+        return float(params["mu"])
+    return float(params.get("mu_by_dataset", {}).get(dataset, params.get("default_mu", 0.0)))
+
+
+def mu_settings(mu_by_dataset: dict[str, float], default_mu: float, paper: str) -> tuple[Any, Any, Any]:
+    """The fields ``mu``, ``mu_by_dataset``, ``default_mu`` of an objective whose μ the papers set
+    per dataset (FedProx, FedRL, MOON): ``mu`` when set, else the dataset's, else the default."""
+    return (
+        setting(None, Nullable(Number(ge=0), "null (the paper's value for the dataset) or a number >= 0"),
+                "μ; null: the value for the dataset in mu_by_dataset, else default_mu", paper=paper, label="μ {}"),
+        setting(mu_by_dataset, MapOf(Number(ge=0), "a mapping of dataset names to numbers >= 0"), "μ by dataset (the papers')"),
+        setting(default_mu, Number(ge=0), "μ for datasets not listed"),
+    )
+
+
+def frozen(model: nn.Module) -> nn.Module:
+    """``model`` in eval mode with no gradient: a fixed reference (MOON's, FedRL's, FedGen's)."""
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Settings):
+        return value.to_dict()
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def require_strategy(params: Settings, run: Any, strategy: str, method: str) -> None:
+    """A client objective that only works with its own server method."""
+    if run.strategy.name != strategy:
+        raise ConfigError("objective", params.name, f"an objective other than {params.name} with strategy "
+                          f"{run.strategy.name} ({method}'s clients need strategy={strategy})")
+
+
+def build_local_update(cfg: Mapping[str, Any], state: RecordDict | None = None, content: RecordDict | None = None) -> LocalUpdate:
+    """The objective that ``objective.name`` selects (default ``ce``), for one train message."""
+    objective = cfg.get("objective", {"name": "ce"})
+    name = objective.get("name", "ce")
+    declared = discover("objective")
+    if name not in declared:
+        raise ConfigError("objective.name", name, ", ".join(declared))
+    return declared[name].objective_class(cfg, state, content)
+
+
+CESettings.objective_class = LocalUpdate  # the base class is the plain objective
