@@ -143,7 +143,7 @@ _SHOWN = ("partition.", "strategy.", "objective.")
 def setting_keys(runs: list[dict[str, Any]]) -> list[str]:
     """The differing keys a row or curve must name: those that vary among one method's runs.
 
-    A key that only tells methods apart (CluSamp's ``selection.*``, MOON's projection head) is
+    A key that only tells methods apart (CluSamp's ``selection.*``, a projection head) is
     already said by the method column."""
     flats = [(method_label(r["cfg"]), flat(r["cfg"])) for r in runs]
     keys = []

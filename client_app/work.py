@@ -65,7 +65,7 @@ def _cached_model(name: str, spec: InputSpec, projection_dim: int | None, option
 
 
 def _model(cfg: Mapping[str, Any]) -> LayeredModel:
-    """The run's architecture (with its options and MOON's head), as the server builds it."""
+    """The run's architecture (with its options and projection head), as the server builds it."""
     return _cached_model(cfg["model"]["name"], input_spec(cfg["dataset"]), cfg["model"].get("projection_dim"), model_options(cfg))
 
 

@@ -47,6 +47,7 @@ from fedmm.settings import (  # noqa: F401 - the rules, re-exported
     Settings,
     Str,
     discover,
+    plain,
     is_int,
     is_number,
     setting,
@@ -225,20 +226,6 @@ RUN_GROUPS: dict[str, type[Settings]] = {"training": TrainingSettings, "simulati
 CLIENT_GROUPS = ("objective", "dataset", "partition", "model", "training", "simulation")
 
 
-def check_keys(prefix: str, values: Mapping[str, Any], schema: Mapping[str, Rule]) -> None:
-    """Unknown keys name the nearest valid one; missing keys are errors; each value is checked."""
-    for key in values:
-        if key not in schema:
-            near = difflib.get_close_matches(str(key), list(schema), n=1)
-            hint = f"; did you mean {prefix}{near[0]}?" if near else ""
-            allowed = ", ".join(schema) or "no keys"
-            raise ConfigError(f"{prefix}{key}", values[key], f"the keys of {prefix.rstrip('.') or 'the config'}: {allowed}{hint}")
-    for key, rule in schema.items():
-        if key not in values:
-            raise ConfigError(f"{prefix}{key}", None, f"a value (the key is missing; {rule.allowed})")
-        rule.check(f"{prefix}{key}", values[key])
-
-
 def options(group: str) -> dict[str, type[Settings]]:
     """option -> settings class of a config group (declared in code, found by discovery)."""
     if group in RUN_GROUPS:
@@ -346,18 +333,11 @@ def to_container(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
     """Plain, resolved dict (no hydra node, no settings object) suitable for JSON."""
     if isinstance(cfg, Settings):
         return cfg.to_dict()
-    node = cfg if isinstance(cfg, DictConfig) else OmegaConf.create(_plain(cfg))
+    node = cfg if isinstance(cfg, DictConfig) else OmegaConf.create(plain(cfg))
     data = OmegaConf.to_container(node, resolve=True)
     data.pop("hydra", None)
     return data  # type: ignore[return-value]
 
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, Settings):
-        return value.to_dict()
-    if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
-    return value
 
 
 def dumps(cfg: DictConfig | Mapping[str, Any]) -> str:

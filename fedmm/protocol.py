@@ -82,7 +82,7 @@ SECURE_OUT_SEQ = "out-seq"
 SECURE_PUBLIC_KEY = "public-key"
 
 #: Reply metrics of the training loop itself. Every other reply metric (a client objective's own:
-#: MOON's contrastive loss, SCAFFOLD's state age, ...) is logged by the server per round: the mean
+#: a contrastive loss, the age of a client's state, ...) is logged by the server per round: the mean
 #: over the accepted replies, in ``metrics.jsonl`` with ``_`` for ``-``.
 TRAINING_METRICS = ("train_loss", "train_time")
 

@@ -386,6 +386,15 @@ class Settings:
 Mapping.register(Settings)
 
 
+def plain(value: Any) -> Any:
+    """``value`` with every settings object (at any depth of mappings) as its plain dict."""
+    if isinstance(value, Settings):
+        return value.to_dict()
+    if isinstance(value, Mapping):
+        return {k: plain(v) for k, v in value.items()}
+    return value
+
+
 def _nested_class(f: dataclasses.Field) -> type[Settings] | None:
     """The settings class of a nested field (``secure`` of FedMR), or None."""
     if f.default_factory is not MISSING:  # type: ignore[misc]

@@ -31,17 +31,17 @@ from fedmm import config as config_mod  # noqa: E402
 from fedmm.errors import ConfigError  # noqa: E402
 
 
-def backend_config(cfg: dict[str, Any]) -> dict[str, Any]:
+def backend_config(cfg: Any) -> dict[str, Any]:
     """Ray backend settings from the ``simulation`` group: what each ClientApp reserves, and the
     ``ray.init`` arguments (``simulation.ray_init_args``, and ``address`` when
     ``simulation.ray_address`` names a running Ray cluster to attach to)."""
-    sim = cfg["simulation"]
+    sim = config_mod.as_run(cfg).simulation
     init_args: dict[str, Any] = {"logging_level": "ERROR", "log_to_driver": True}
-    init_args.update(copy.deepcopy(dict(sim.get("ray_init_args") or {})))
-    if sim.get("ray_address") is not None:
-        init_args["address"] = sim["ray_address"]
+    init_args.update(copy.deepcopy(dict(sim.ray_init_args)))
+    if sim.ray_address is not None:
+        init_args["address"] = sim.ray_address
     return {
-        "client_resources": {"num_cpus": sim["client_cpus"], "num_gpus": sim["client_gpus"]},
+        "client_resources": {"num_cpus": sim.client_cpus, "num_gpus": sim.client_gpus},
         "init_args": init_args,
     }
 
@@ -131,8 +131,9 @@ def start_local_ray(init_args: dict[str, Any]) -> bool:
     return True
 
 
-def run_job(cfg: dict[str, Any]) -> Path:
-    """Run one validated experiment on the simulation engine and return its results directory."""
+def run_job(settings: Any) -> Path:
+    """Run one experiment (its settings, or a plain config: validated here) on the simulation
+    engine and return its results directory."""
     import warnings
 
     from flwr.app import Context
@@ -144,6 +145,7 @@ def run_job(cfg: dict[str, Any]) -> Path:
     from server_app.runner import run_experiment
 
     reset()
+    cfg = config_mod.as_run(settings)
     out: dict[str, Path] = {}
     server_app = ServerApp()
 
@@ -164,7 +166,7 @@ def run_job(cfg: dict[str, Any]) -> Path:
             run_simulation(
                 server_app=server_app,
                 client_app=client_app,
-                num_supernodes=int(cfg["simulation"]["num_supernodes"]),
+                num_supernodes=cfg.simulation.num_supernodes,
                 backend_config=backend,
             )
         except Exception as err:  # the ServerApp's own error, or the simulation runtime's
@@ -220,18 +222,18 @@ def log_to_job_file() -> None:
             _JOB_FILE_HANDLERS.append(handler)
 
 
-def preflight(cfg: dict[str, Any]) -> None:
+def preflight(cfg: Any) -> None:
     """Load the dataset before the simulation starts, so that a bad folder or hub id is one line
     now, not a traceback after Ray and the SuperNodes are up (the in-process ServerApp then
     reuses the loaded splits)."""
     from fedmm.data import load_dataset
 
     try:
-        load_dataset(cfg["dataset"])
+        load_dataset(cfg.dataset)
     except ConfigError:
         raise
     except Exception as err:  # hub unreachable, unreadable files, ...
-        raise ConfigError("dataset", cfg["dataset"]["name"], f"a dataset that loads ({type(err).__name__}: {err})") from None
+        raise ConfigError("dataset", cfg.dataset.name, f"a dataset that loads ({type(err).__name__}: {err})") from None
 
 
 def job_config(cfg: DictConfig) -> dict[str, Any]:
@@ -255,12 +257,12 @@ def _hydra_main(cfg: DictConfig) -> None:
     # but send its lines (the round-by-round progress) to this job's hydra log file too.
     logging.getLogger("flwr").propagate = False
     log_to_job_file()
-    print(f"fedmm: results -> {resolved['output_dir']}", flush=True)
+    print(f"fedmm: results -> {resolved.output_dir}", flush=True)
     try:
         run_dir = run_job(resolved)
     except JobFailed as err:
-        FAILED_JOBS.append((str(resolved["output_dir"]), str(err)))
-        print(f"fedmm: FAILED {resolved['output_dir']}: {err}", flush=True)
+        FAILED_JOBS.append((str(resolved.output_dir), str(err)))
+        print(f"fedmm: FAILED {resolved.output_dir}: {err}", flush=True)
         if HydraConfig.get().mode != RunMode.MULTIRUN:
             raise SystemExit(1) from None
         return  # a sweep goes on with its next job and fails at the end

@@ -36,7 +36,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fedmm.errors import ConfigError
-from fedmm.settings import MapOf, Nullable, Number, Settings, discover, setting
+from fedmm.settings import MapOf, Nullable, Number, Settings, discover, plain, setting
 
 if TYPE_CHECKING:  # Flower only for the defaults below: the objectives train without it
     from flwr.app import RecordDict
@@ -123,7 +123,7 @@ class LocalUpdate:
 
         from fedmm.protocol import STATE_EXPERIMENT
 
-        tag = hashlib.sha1(json.dumps(_plain(self.cfg), sort_keys=True, default=str).encode()).hexdigest()
+        tag = hashlib.sha1(json.dumps(plain(self.cfg), sort_keys=True, default=str).encode()).hexdigest()
         held = self.state[STATE_EXPERIMENT]["id"] if STATE_EXPERIMENT in self.state else None
         if held != tag:
             for key in list(self.state.keys()):
@@ -148,7 +148,7 @@ def resolve_mu(params: Mapping[str, Any], dataset: str) -> float:
 
 def mu_settings(mu_by_dataset: dict[str, float], default_mu: float, paper: str) -> tuple[Any, Any, Any]:
     """The fields ``mu``, ``mu_by_dataset``, ``default_mu`` of an objective whose μ the papers set
-    per dataset (FedProx, FedRL, MOON): ``mu`` when set, else the dataset's, else the default."""
+    per dataset (FedProx, FedRL, the contrastive objective): ``mu`` when set, else the dataset's, else the default."""
     return (
         setting(None, Nullable(Number(ge=0), "null (the paper's value for the dataset) or a number >= 0"),
                 "μ; null: the value for the dataset in mu_by_dataset, else default_mu", paper=paper, label="μ {}"),
@@ -158,19 +158,12 @@ def mu_settings(mu_by_dataset: dict[str, float], default_mu: float, paper: str) 
 
 
 def frozen(model: nn.Module) -> nn.Module:
-    """``model`` in eval mode with no gradient: a fixed reference (MOON's, FedRL's, FedGen's)."""
+    """``model`` in eval mode with no gradient: a fixed reference (a received or previous model, a generator)."""
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
     return model
 
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, Settings):
-        return value.to_dict()
-    if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
-    return value
 
 
 def require_strategy(params: Settings, run: Any, strategy: str, method: str) -> None:

@@ -68,7 +68,7 @@ class FedGenClient(LocalUpdate):
         value = self.params.get(key)
         if value is None:
             value = self.params.get(table, {}).get(self.cfg["dataset"]["name"], self.params[default])
-        return max(1e-4, float(value) * float(self.params["decay"]) ** (server_round - 1)) if value else 0.0
+        return max(1e-4, float(value) * float(self.params.decay) ** (server_round - 1)) if value else 0.0
 
     def begin(self, model: nn.Module, server_round: int) -> None:
         """Load the generator (from round 2); reset the label counts."""
@@ -88,7 +88,7 @@ class FedGenClient(LocalUpdate):
             self.generator = frozen(gen.to(next(model.parameters()).device))
         self.alpha = self._weight("generative_alpha", "alpha_by_dataset", "default_alpha", server_round)
         self.beta = self._weight("generative_beta", "beta_by_dataset", "default_beta", server_round)
-        self.gen_batch = int(self.params["gen_batch_size"])
+        self.gen_batch = int(self.params.gen_batch_size)
         self._kl_sum = self._gen_sum = 0.0
         self._batches = 0
 
@@ -102,7 +102,7 @@ class FedGenClient(LocalUpdate):
             z_y, _ = self.generator(y)
         target = F.softmax(model.classify(z_y), dim=1).detach()
         kl = F.kl_div(F.log_softmax(logits, dim=1), target, reduction="batchmean")
-        if self.params["sample_labels"] == "available":
+        if self.params.sample_labels == "available":
             held = torch.flatnonzero(self.counts > 0).to(y.device)
             y_hat = held[torch.randint(0, len(held), (self.gen_batch,), device=y.device)]
         else:

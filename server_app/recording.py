@@ -22,23 +22,23 @@ from fedmm.errors import ConfigError
 from fedmm.results import CONFIG_FILE, METRICS_FILE, json_safe
 
 
-def run_dir_name(cfg: Mapping[str, Any]) -> str:
+def run_dir_name(cfg: Any) -> str:
     """``<timestamp>_<strategy>[+objective]_<dataset>_<partition>_s<seed>``."""
     stamp = dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
-    objective = cfg.get("objective", {}).get("name", "ce")
-    method = cfg["strategy"]["name"] + ("" if objective == "ce" else f"+{objective}")
-    return f"{stamp}_{method}_{cfg['dataset']['name']}_{cfg['partition']['name']}_s{cfg['seed']}"
+    objective = cfg.objective.name
+    method = cfg.strategy.name + ("" if objective == "ce" else f"+{objective}")
+    return f"{stamp}_{method}_{cfg.dataset.name}_{cfg.partition.name}_s{cfg.seed}"
 
 
-def create_run_dir(cfg: Mapping[str, Any]) -> Path:
+def create_run_dir(cfg: Any) -> Path:
     """Create the run's directory (absolute). Never reuses a directory that holds a run."""
-    if cfg.get("output_dir"):
-        path = Path(os.path.expanduser(str(cfg["output_dir"]))).resolve()
+    if cfg.output_dir:
+        path = Path(os.path.expanduser(str(cfg.output_dir))).resolve()
         if (path / METRICS_FILE).exists():
             raise ConfigError("output_dir", str(path), "a directory that does not already hold a run's metrics.jsonl (to continue that run: resume=<dir>)")
         path.mkdir(parents=True, exist_ok=True)
         return path
-    root = Path(os.path.expanduser(str(cfg["results_root"]))).resolve()
+    root = Path(os.path.expanduser(str(cfg.results_root))).resolve()
     root.mkdir(parents=True, exist_ok=True)
     base = run_dir_name(cfg)
     for attempt in range(1000):

@@ -110,21 +110,21 @@ class FedGen(FedAvg):
         """The model, and a generator shaped for its classifier."""
         super().initialize(initial)
         self._build_generator(initial)
-        if self.settings["optimizer"] == "persistent":
+        if self.settings.optimizer == "persistent":
             self.optimizer = self._adam()
-            self.scheduler = torch.optim.lr_scheduler.ExponentialLR(self.optimizer, gamma=self.settings["lr_decay"])
+            self.scheduler = torch.optim.lr_scheduler.ExponentialLR(self.optimizer, gamma=self.settings.lr_decay)
 
     def _build_generator(self, model: ModelDict) -> None:
         weight, _ = classifier_of(model)
         self.num_classes, latent = model[weight].shape
         with torch.random.fork_rng():  # the generator's init draws from its own seed only
             torch.manual_seed(int(self.seed) * 7919 + 17)
-            self.generator = Generator(self.settings["noise_dim"], self.num_classes, latent, self.settings["hidden_dim"])
+            self.generator = Generator(self.settings.noise_dim, self.num_classes, latent, self.settings.hidden_dim)
 
     def _adam(self) -> torch.optim.Optimizer:
         assert self.generator is not None
-        return torch.optim.Adam(self.generator.parameters(), lr=self.settings["ensemble_lr"], betas=(0.9, 0.999),
-                                eps=1e-8, weight_decay=self.settings["weight_decay"], amsgrad=False)
+        return torch.optim.Adam(self.generator.parameters(), lr=self.settings.ensemble_lr, betas=(0.9, 0.999),
+                                eps=1e-8, weight_decay=self.settings.weight_decay, amsgrad=False)
 
     def prepare_round(self, server_round: int, node_ids: list[int]) -> None:
         """Encode the generator once for the round (sent from round 2 on: round 1 is plain CE)."""
@@ -155,10 +155,10 @@ class FedGen(FedAvg):
         """The round's generator steps; (loss of the first step, loss of the last)."""
         assert self.generator is not None
         s = self.settings
-        weights, qualified = label_weights(counts, s["min_samples_per_label"])
+        weights, qualified = label_weights(counts, s.min_samples_per_label)
         if len(qualified) == 0:
             log(INFO, "round %d: no label with more than %d samples at any sampled client: generator not trained",
-                server_round, s["min_samples_per_label"])
+                server_round, s.min_samples_per_label)
             return float("nan"), float("nan")
         heads = []
         for model in models:
@@ -167,15 +167,15 @@ class FedGen(FedAvg):
         w_t = torch.from_numpy(weights.astype(np.float32))
         labels_pool = torch.from_numpy(qualified)
         rng = torch.Generator().manual_seed(int(self.seed) * 1_000_003 + server_round)
-        optimizer = self.optimizer if s["optimizer"] == "persistent" else self._adam()
+        optimizer = self.optimizer if s.optimizer == "persistent" else self._adam()
         self.generator.train()
         losses = []
-        for _ in range(s["ensemble_epochs"] // s["n_teacher_iters"]):
-            for _ in range(s["n_teacher_iters"]):
+        for _ in range(s.ensemble_epochs // s.n_teacher_iters):
+            for _ in range(s.n_teacher_iters):
                 optimizer.zero_grad()
-                y = labels_pool[torch.randint(0, len(labels_pool), (s["batch_size"],), generator=rng)]
+                y = labels_pool[torch.randint(0, len(labels_pool), (s.batch_size,), generator=rng)]
                 z, eps = self.generator(y, generator=rng)
-                loss = s["ensemble_alpha"] * teacher_loss(z, y, heads, w_t) + s["ensemble_eta"] * diversity_loss(z, eps)
+                loss = s.ensemble_alpha * teacher_loss(z, y, heads, w_t) + s.ensemble_eta * diversity_loss(z, eps)
                 loss.backward()
                 optimizer.step()
                 losses.append(float(loss.detach()))
@@ -200,9 +200,9 @@ class FedGen(FedAvg):
         self._build_generator(self.models[0])
         assert self.generator is not None
         self.generator.load_state_dict(state["generator"])
-        if self.settings["optimizer"] == "persistent":
+        if self.settings.optimizer == "persistent":
             self.optimizer = self._adam()
-            self.scheduler = torch.optim.lr_scheduler.ExponentialLR(self.optimizer, gamma=self.settings["lr_decay"])
+            self.scheduler = torch.optim.lr_scheduler.ExponentialLR(self.optimizer, gamma=self.settings.lr_decay)
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
 

@@ -57,6 +57,7 @@ def stop_pids(pids: list[int]) -> None:
 
 
 def test_flwr_run_simulation_writes_metrics(tmp_path: Path) -> None:
+    """``flwr run . -c "strategy='feddyn' ..."``: the method added last, as a user runs it."""
     flwr_home = tmp_path / "flwr-home"
     out = tmp_path / "run"
     env = dict(
@@ -69,7 +70,7 @@ def test_flwr_run_simulation_writes_metrics(tmp_path: Path) -> None:
     cmd = [
         str(BIN / "flwr"), "run", str(REPO), "--stream",
         "--federation-config", "num-supernodes=4",
-        "-c", f"num_rounds=2 clients_per_round=2 output_dir='{out}' overrides='training.local_epochs=1'",
+        "-c", f"strategy='feddyn' num_rounds=2 clients_per_round=2 output_dir='{out}' overrides='training.local_epochs=1'",
     ]
     try:
         proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=400)
@@ -85,6 +86,7 @@ def test_flwr_run_simulation_writes_metrics(tmp_path: Path) -> None:
         assert (out / name).stat().st_size > 0, name
     # the federation had 4 SuperNodes although conf/ says num_clients=20: the run adapts
     assert "num_clients: 4" in (out / "config.yaml").read_text()
+    assert "name: feddyn" in (out / "config.yaml").read_text() and rows[2].get("h_norm", 0) > 0  # FedDyn's h moved
 
 
 def test_multimodel_simulation_dispatch_stages_and_failing_client(tmp_path: Path) -> None:

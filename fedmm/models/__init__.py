@@ -69,7 +69,7 @@ def build_model(name: str, spec: InputSpec, projection_dim: int | None = None,
     spec : InputSpec
         From :func:`fedmm.data.input_spec`: the input kind and shape and the number of classes.
     projection_dim : int, optional
-        ``model.projection_dim``: replace the classifier by MOON's projection head of this
+        ``model.projection_dim``: replace the classifier by a projection head of this
         width and a classifier on it (:func:`~fedmm.models.layered.with_projection_head`).
     options : mapping, optional
         Further ``model`` options of the model (``sent_lstm``: ``embedding_dim``).

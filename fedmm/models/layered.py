@@ -87,7 +87,7 @@ class LayeredModel(nn.Module):
         return int(self._classifier().in_features)
 
     def latent(self, x: torch.Tensor) -> torch.Tensor:
-        """The input of the final linear classifier (MOON's representation, FedGen's latent)."""
+        """The input of the final linear classifier (a contrastive objective's representation, a generator's latent)."""
         for layer in self.layers[:-1]:
             x = layer(x)
         last = self.layers[-1]
@@ -102,8 +102,8 @@ class LayeredModel(nn.Module):
 
 
 def with_projection_head(model: LayeredModel, out_dim: int) -> LayeredModel:
-    """MOON's model (Li et al., CVPR 2021): the network's classifier replaced by a projection
-    head Linear(d, d) → ReLU → Linear(d, out_dim) and a classifier Linear(out_dim, C) on the
+    """The network with a projection head, as model-contrastive learning uses it (Li et al.,
+    CVPR 2021): the classifier replaced by a projection head Linear(d, d) → ReLU → Linear(d, out_dim) and a classifier Linear(out_dim, C) on the
     projection. With d the latent size, the last block becomes three:
     [what preceded the classifier] + Linear(d, d) + ReLU | Linear(d, out_dim) | Linear(out_dim, C);
     the representation (``latent``) is then the projection, ``out_dim`` wide."""
