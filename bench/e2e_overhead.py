@@ -609,7 +609,7 @@ def main() -> None:
                         help="default: the app's default config; papers: the seed papers' shape (100 clients, 10 per "
                              "round, Dir(0.1), 5 local epochs, batch 50, cnn); the options below override it")
     parser.add_argument("--strategies", nargs="+", default=["fedavg", "fedmr", "fedcross"],
-                        help="any strategy config option (conf/strategy/*.yaml)")
+                        help="any strategy option (declared, or a preset of conf/strategy/)")
     parser.add_argument("--runners", nargs="+", choices=["plain", "flower", "anchor"], default=["plain", "flower", "anchor"],
                         help="plain: the sequential loop; flower: this app on Flower's simulation engine; anchor: "
                              "Flower's built-in FedAvg with a minimal ClientApp doing the same training (run once)")

@@ -1,7 +1,7 @@
 """Fault matrix: what the app does when clients fail, misbehave or straggle.
 
     python bench/faults.py                      # fedavg fedmr fedcross
-    python bench/faults.py --strategies fedmr   # any strategy name of conf/strategy/ (e.g. fedmut clusamp scaffold)
+    python bench/faults.py --strategies fedmr   # any strategy option (e.g. fedmut clusamp scaffold feddyn)
 
 For each strategy, one simulation (Ray backend, 10 SuperNodes, K = 5 per round, 2 rounds of
 1 local epoch on the embedded data) runs one experiment per fault, one after the other. A

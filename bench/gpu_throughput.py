@@ -10,7 +10,7 @@ own seeded CIFAR-shaped synthetic data (uint8 3x32x32, 10 classes, normalised as
 ``fedmm.data.TensorData``, and trains it with the app's loop (``client_app.training.train_epochs``,
 the loop of ``client_app.training.train``, through the ``ce`` plugin of
 ``client_app.local_update.build_local_update``) with the SGD settings of
-``conf/training/default.yaml`` (epochs and batch size from the command line). After an untimed
+the declared training defaults (``fedmm/training.py``; epochs and batch size from the command line). After an untimed
 warm-up of two batches, the n clients of a case start each timed round together at a barrier.
 
 Reported per model and number of concurrent clients n (median over ``--repeats`` rounds):
@@ -333,7 +333,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model-samples", nargs="*", default=[], metavar="MODEL=N",
                         help="samples per client for some models only, e.g. vgg16=200")
     parser.add_argument("--epochs", type=int, default=1, help="local epochs per round")
-    parser.add_argument("--batch-size", type=int, default=None, help="default: conf/training/default.yaml (50)")
+    parser.add_argument("--batch-size", type=int, default=None, help="default: the declared training default (50)")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds per case (the median is reported)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per client process (default: usable CPUs / clients, at least 1)")
