@@ -473,10 +473,17 @@ def entry_point_targets(group: str) -> list[str]:
     return sorted({ep.value.split(":", 1)[0] for ep in metadata.entry_points(group=ENTRY_POINT_PREFIX + group)})
 
 
+#: Groups whose modules this process has imported (the installed distributions do not change
+#: while it runs: a ClientApp discovers its objectives once, not per message).
+_DISCOVERED: set[str] = set()
+
+
 def discover(group: str) -> dict[str, type[Settings]]:
     """option -> settings class of ``group``: this project's packages and every entry point's."""
-    for name in OWN_PACKAGES.get(group, ()) + tuple(entry_point_targets(group)):
-        _import_tree(name)
+    if group not in _DISCOVERED:
+        for name in OWN_PACKAGES.get(group, ()) + tuple(entry_point_targets(group)):
+            _import_tree(name)
+        _DISCOVERED.add(group)
     return {option: cls for (g, option), cls in sorted(_DECLARED.items()) if g == group}
 
 
