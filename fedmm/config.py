@@ -1,19 +1,18 @@
 """Compose, validate and serialise the run configuration.
 
-``conf/`` (hydra) is the single source of defaults. Both entry points end up with the same
-resolved config:
+Every option's defaults are declared in code (:mod:`fedmm.settings`); :func:`register_defaults`
+hands them to hydra, and ``conf/`` selects and overrides. Both entry points end up with the same
+validated :class:`RunSettings`:
 
-- ``fedmm ...`` gets it from ``@hydra.main``;
+- ``fedmm ...`` gets the composed config from ``@hydra.main`` (:mod:`launch.cli`);
 - ``flwr run . -c "..."`` passes the run-config keys declared in ``pyproject.toml`` to
   :func:`compose_from_run_config`, which turns them into hydra overrides.
 
-Validation is one pass (:func:`validate`) over a schema: every config group is checked by the
-schema its owner registers next to the code it configures (:func:`register_schema`):
-``dataset`` / ``partition`` in :mod:`fedmm.data`, ``model`` in :mod:`fedmm.models`, each
-``strategy`` in its module of ``strategies/`` (and ``selection`` in ``strategies/__init__.py``), each ``objective`` (local-update plugin) in
-``client_app/plugins.py``; the run-level keys, ``training`` and ``simulation`` are declared
-here. This module imports no app and no strategy: the entry points import those, which
-registers their schemas. Unknown keys at any depth are errors naming the nearest valid key.
+Validation is one pass (:func:`validate`): each group's values are checked by the declaration
+its option names (found by :func:`fedmm.settings.discover`), then each declaration's rules
+across groups run with the whole run. This module imports no app and no method: discovery
+imports the modules that declare options. Unknown keys at any depth are errors naming the
+nearest valid key.
 """
 
 from __future__ import annotations
