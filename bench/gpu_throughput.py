@@ -9,7 +9,7 @@ ClientApp in its own worker process: it builds its model with ``fedmm.models.bui
 own seeded CIFAR-shaped synthetic data (uint8 3x32x32, 10 classes, normalised as CIFAR-10) as a
 ``fedmm.data.TensorData``, and trains it with the app's loop (``client_app.training.train_epochs``,
 the loop of ``client_app.training.train``, through the ``ce`` plugin of
-``client_app.local_update.build_local_update``) with the SGD settings of
+``objectives.base.build_local_update``) with the SGD settings of
 the declared training defaults (``fedmm/training.py``; epochs and batch size from the command line). After an untimed
 warm-up of two batches, the n clients of a case start each timed round together at a barrier.
 
@@ -94,10 +94,12 @@ def _app() -> types.SimpleNamespace:
     from fedmm.data.spec import InputSpec
     from fedmm.data.tensors import ImageNormalize, TensorData
     from fedmm.models import build_model
+    from fedmm.training import TrainingSettings
 
     return types.SimpleNamespace(
         build_local_update=build_local_update, train_epochs=train_epochs, conf_dir=Path(CONF_DIR), InputSpec=InputSpec,
         ImageNormalize=ImageNormalize, TensorData=TensorData, build_model=build_model, stand_ins=stand_ins,
+        TrainingSettings=TrainingSettings,
     )
 
 
@@ -141,10 +143,10 @@ def _client(rank: int, spec: dict[str, Any], barrier: Any) -> dict[str, Any]:
     # The ce plugin reads neither the node state nor the message records: empty mappings keep
     # Flower out (a RecordDict is made only when they are left out).
     update = app.build_local_update({"objective": {"name": "ce"}}, state={}, content={})
-    training = spec["training"]
+    training = app.TrainingSettings.from_dict(spec["training"], "training.")
     generator = torch.Generator().manual_seed(seed)
-    warmup = data.subset(np.arange(min(len(data), WARMUP_BATCHES * int(training["batch_size"]))))
-    app.train_epochs(model, warmup, update, {**training, "local_epochs": 1}, 1, generator, device)
+    warmup = data.subset(np.arange(min(len(data), WARMUP_BATCHES * training.batch_size)))
+    app.train_epochs(model, warmup, update, training.replace(local_epochs=1), 1, generator, device)
     if cuda:
         torch.cuda.synchronize(device)
     rounds = []

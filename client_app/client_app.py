@@ -51,10 +51,11 @@ def train(msg: Message, context: Context) -> Message:
     return work.train_reply(msg, context)
 
 
-def _secure_train(cfg: Mapping[str, Any], context: Context, server_round: int, arrays: protocol.ModelDict) -> tuple[protocol.ModelDict, dict[str, float]]:
+def _secure_train(config: str, context: Context, server_round: int, arrays: protocol.ModelDict) -> tuple[protocol.ModelDict, dict[str, float]]:
     from client_app import work
+    from fedmm.config import client_run
 
-    return work.secure_train(cfg, context, server_round, arrays)
+    return work.secure_train(client_run(config), context, server_round, arrays)
 
 
 @app.train(protocol.SECURE_KEYS)
@@ -98,6 +99,7 @@ def query(msg: Message, context: Context) -> Message:
     if protocol.ROSTER_EXAMPLES in msg.content[protocol.CONFIG]:
         from client_app import work
 
-        cfg = protocol.read_run_config(msg)
-        roster[protocol.NUM_EXAMPLES] = len(work.local_data(cfg, context))
+        from fedmm.config import client_run
+
+        roster[protocol.NUM_EXAMPLES] = len(work.local_data(client_run(protocol.run_config_text(msg)), context))
     return protocol.reply_message(msg, {protocol.ROSTER: ConfigRecord(roster)})

@@ -28,7 +28,8 @@ STATE_META = "secure-node"
 STATE_ARRAYS = "secure-arrays"
 
 #: (run config, context, round, model) -> (trained model, training metrics)
-TrainFn = Callable[[Mapping[str, Any], Context, int, ModelDict], tuple[ModelDict, dict[str, float]]]
+#: Local training inside the exchange: (the run config's JSON text, context, round, model) -> (model, metrics).
+TrainFn = Callable[[str, Context, int, ModelDict], tuple[ModelDict, dict[str, float]]]
 
 
 def save(context: Context, node: NodeExchange) -> None:
@@ -77,8 +78,8 @@ def outgoing(out: list[Sealed]) -> dict[str, Any]:
     return {protocol.SECURE_OUT: arrays, protocol.SECURE: config}
 
 
-def _train(node: NodeExchange, cfg: Mapping[str, Any], context: Context, server_round: int, train_fn: TrainFn) -> None:
-    node.model, metrics = train_fn(cfg, context, server_round, node.model)
+def _train(node: NodeExchange, config: str, context: Context, server_round: int, train_fn: TrainFn) -> None:
+    node.model, metrics = train_fn(config, context, server_round, node.model)
     node.metrics = {key: float(value) for key, value in metrics.items()}
 
 
@@ -94,7 +95,7 @@ def _settle(node: NodeExchange, msg: Message, settings: Mapping[str, Any], codec
 def handle(msg: Message, context: Context, train_fn: TrainFn) -> Message:
     """Handle one ``train.secure_*`` message (see the module docstring)."""
     action = msg.metadata.message_type.partition(".")[2]
-    cfg = protocol.read_run_config(msg)
+    config = protocol.run_config_text(msg)
     server_round = protocol.server_round(msg)
     settings = msg.content[protocol.SECURE]
     run_id = int(msg.metadata.run_id)
@@ -102,7 +103,7 @@ def handle(msg: Message, context: Context, train_fn: TrainFn) -> Message:
         model = protocol.record_to_model(msg.content[protocol.ARRAYS], copy=True)
         node = NodeExchange.start(run_id, server_round, str(context.node_id), model)
         if bool(settings.get(protocol.SECURE_TRAIN, False)):
-            _train(node, cfg, context, server_round, train_fn)
+            _train(node, config, context, server_round, train_fn)
         save(context, node)
         return protocol.reply_message(msg, {protocol.SECURE: ConfigRecord({protocol.SECURE_PUBLIC_KEY: node.public})})
     node = load(context, server_round, run_id)
@@ -114,7 +115,7 @@ def handle(msg: Message, context: Context, train_fn: TrainFn) -> Message:
         node.advance(step_number(exchange, attempt, repetition, 1), f"stage 1 of repetition {repetition}")
         _settle(node, msg, settings, codec)
         if bool(settings.get(protocol.SECURE_TRAIN, False)):
-            _train(node, cfg, context, server_round, train_fn)
+            _train(node, config, context, server_round, train_fn)
         if repetition == 1:
             peers = dict(zip(map(str, settings[protocol.SECURE_PEERS]), map(bytes, settings[protocol.SECURE_PUBLIC_KEYS])))
             node.begin(exchange, attempt, peers)
@@ -135,7 +136,7 @@ def handle(msg: Message, context: Context, train_fn: TrainFn) -> Message:
         node.advance(upload_step(exchange, attempt), "the upload")
         _settle(node, msg, settings, codec)
         if bool(settings.get(protocol.SECURE_TRAIN, False)):
-            _train(node, cfg, context, server_round, train_fn)
+            _train(node, config, context, server_round, train_fn)
         save(context, node)  # the snapshot stays: a failed upload elsewhere rolls this one back
         metrics = {**node.metrics, protocol.SECURE_BYTES_SEALED: float(node.bytes_sealed), protocol.SECURE_PADDING_SEALED: float(node.padding_sealed)}
         return protocol.reply_message(msg, {protocol.ARRAYS: protocol.model_to_record(node.model), protocol.METRICS: MetricRecord(metrics)})

@@ -11,13 +11,11 @@ runs it on a machine with PyTorch only); :func:`train` adds the reply's metric n
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
-from typing import Any
 
 import torch
 from torch import nn
 
-from fedmm.training import round_lr
+from fedmm.training import TrainingSettings, round_lr
 from objectives.base import LocalUpdate
 from fedmm.data import TensorData, batches
 
@@ -26,7 +24,7 @@ def train_epochs(
     model: nn.Module,
     data: TensorData,
     update: LocalUpdate,
-    training: Mapping[str, Any],
+    training: TrainingSettings,
     server_round: int,
     generator: torch.Generator,
     device: torch.device,
@@ -37,8 +35,8 @@ def train_epochs(
     update.begin(model, server_round)
     optimizer = torch.optim.SGD(model.parameters(), **update.optimizer_args(training, round_lr(training, server_round)))
     total_loss, total_seen = 0.0, 0
-    for _ in range(int(training["local_epochs"])):
-        for x, y in batches(data, int(training["batch_size"]), shuffle=True, generator=generator, device=device):
+    for _ in range(training.local_epochs):
+        for x, y in batches(data, training.batch_size, shuffle=True, generator=generator, device=device):
             loss = update.step(model, optimizer, x, y)
             total_loss += float(loss.detach()) * len(y)
             total_seen += len(y)
@@ -49,7 +47,7 @@ def train(
     model: nn.Module,
     data: TensorData,
     update: LocalUpdate,
-    training: Mapping[str, Any],
+    training: TrainingSettings,
     server_round: int,
     generator: torch.Generator,
     device: torch.device,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -21,13 +20,14 @@ from objectives.base import build_local_update
 from client_app.node_data import DATA_PATH_KEY, NodeDataError, load_node_data
 from client_app.training import train as train_model
 from fedmm import protocol
-from fedmm.data import InputSpec, TensorData, input_spec, load_partition, local_split, local_test_fraction
+from fedmm.config import RunSettings, client_run
+from fedmm.data import InputSpec, TensorData, input_spec, load_partition, local_split
 from fedmm.evaluation import evaluate as evaluate_model
 from fedmm.evaluation import resolve_device
 from fedmm.models import LayeredModel, build_model, model_options
 
 
-def local_data(cfg: Mapping[str, Any], context: Context, part: str = "train") -> TensorData:
+def local_data(run: RunSettings, context: Context, part: str = "train") -> TensorData:
     """This node's data: its own folder in deployment, its partition in simulation.
 
     ``part="train"`` are the rows it trains on; ``part="test"`` the ``partition.local_test_fraction``
@@ -37,10 +37,11 @@ def local_data(cfg: Mapping[str, Any], context: Context, part: str = "train") ->
     if DATA_PATH_KEY in node_config:
         # Raises NodeDataError naming the node and the problem: Flower sends it back as the
         # error reply's reason, the server logs it and goes on with the other nodes.
-        data = load_node_data(cfg["dataset"], node_config[DATA_PATH_KEY], context.node_id)
-        if part == "train" and not local_test_fraction(cfg["partition"]):
+        data = load_node_data(run.dataset, node_config[DATA_PATH_KEY], context.node_id)
+        held_out = run.partition.local_test_fraction
+        if part == "train" and not held_out:
             return data
-        train_rows, test_rows = local_split(np.arange(len(data)), local_test_fraction(cfg["partition"]), int(cfg["seed"]), 0)
+        train_rows, test_rows = local_split(np.arange(len(data)), held_out, run.seed, 0)
         return data.subset(train_rows if part == "train" else test_rows)
     if "partition-id" not in node_config or "num-partitions" not in node_config:
         raise NodeDataError(
@@ -49,11 +50,11 @@ def local_data(cfg: Mapping[str, Any], context: Context, part: str = "train") ->
             f"--node-config \"{DATA_PATH_KEY}='/path/to/its/dataset'\""
         )
     return load_partition(
-        cfg["dataset"],
-        cfg["partition"],
+        run.dataset,
+        run.partition,
         int(node_config["partition-id"]),
         int(node_config["num-partitions"]),
-        int(cfg["seed"]),
+        run.seed,
         part,
     )
 
@@ -64,18 +65,18 @@ def _cached_model(name: str, spec: InputSpec, projection_dim: int | None, option
     return build_model(name, spec, projection_dim, dict(options))
 
 
-def _model(cfg: Mapping[str, Any]) -> LayeredModel:
+def _model(run: RunSettings) -> LayeredModel:
     """The run's architecture (with its options and projection head), as the server builds it."""
-    return _cached_model(cfg["model"]["name"], input_spec(cfg["dataset"]), cfg["model"].get("projection_dim"), model_options(cfg))
+    return _cached_model(run.model.name, input_spec(run.dataset), run.model.projection_dim, model_options(run.model))
 
 
-def model_from_message(cfg: Mapping[str, Any], msg: Message) -> LayeredModel:
+def model_from_message(run: RunSettings, msg: Message) -> LayeredModel:
     """The configured architecture with the weights of the received ``arrays``.
 
     The arrays are read as views of the message's bytes and copied once, into the model
     (``load_state_dict`` copies; nothing writes into the views).
     """
-    model = _model(cfg)
+    model = _model(run)
     arrays = protocol.record_to_model(msg.content[protocol.ARRAYS], copy=False)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
@@ -90,14 +91,14 @@ def model_record(model: torch.nn.Module) -> ArrayRecord:
     return protocol.model_to_record({key: value.detach().cpu().numpy() for key, value in model.state_dict().items()})
 
 
-def reserved_cpus(cfg: Mapping[str, Any]) -> int:
+def reserved_cpus(run: RunSettings) -> int:
     """CPU cores the simulation reserved for this ClientApp.
 
     Ray knows what it assigned to the actor (``flwr run``'s ``client-resources-num-cpus`` or
     fedmm's ``simulation.client_cpus``); outside Ray the config value is used.
     """
     cpus = _ray_assigned_cpus()
-    return cpus if cpus else max(1, int(cfg["simulation"]["client_cpus"]))
+    return cpus if cpus else max(1, run.simulation.client_cpus)
 
 
 @functools.lru_cache(maxsize=1)
@@ -115,35 +116,35 @@ def _ray_assigned_cpus() -> int | None:
     return None
 
 
-def _set_threads(cfg: Mapping[str, Any], context: Context) -> None:
+def _set_threads(run: RunSettings, context: Context) -> None:
     # In simulation several ClientApps share the machine: use only the reserved cores.
     # A deployed SuperNode owns its machine and keeps torch's default.
     if "partition-id" in context.node_config:
-        threads = reserved_cpus(cfg)
+        threads = reserved_cpus(run)
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
 
 
-def seed_for(cfg: Mapping[str, Any], server_round: int, context: Context) -> int:
+def seed_for(run: RunSettings, server_round: int, context: Context) -> int:
     """The seed of this node's round: batch order and dropout depend on (seed, round, node) only."""
     node = int(context.node_config.get("partition-id", context.node_id % (2**31)))
-    return hash((int(cfg["seed"]), server_round, node)) % (2**63)
+    return hash((run.seed, server_round, node)) % (2**63)
 
 
 def local_training(
-    cfg: Mapping[str, Any], context: Context, server_round: int, model: LayeredModel, content: Any = None
+    run: RunSettings, context: Context, server_round: int, model: LayeredModel, content: Any = None
 ) -> tuple[dict[str, float], dict[str, Any]]:
     """Train ``model`` in place on this node's data with the configured local-update plugin;
     return the metrics and the plugin's extra reply records."""
-    _set_threads(cfg, context)
-    data = local_data(cfg, context)
-    seed = seed_for(cfg, server_round, context)
+    _set_threads(run, context)
+    data = local_data(run, context)
+    seed = seed_for(run, server_round, context)
     generator = torch.Generator().manual_seed(seed)  # batch order
     torch.manual_seed(seed)  # dropout (VGG-16) draws from the global generator
-    update = build_local_update(cfg, context.state, content)
+    update = build_local_update(run, context.state, content)
     update.node = int(context.node_config.get("partition-id", context.node_id % (2**31)))
     metrics = train_model(
-        model, data, update, cfg["training"], server_round, generator, resolve_device(cfg["training"]["device"])
+        model, data, update, run.training, server_round, generator, resolve_device(run.training.device)
     )
     extra = update.end(model)
     metrics.update(update.metrics())
@@ -152,31 +153,31 @@ def local_training(
 
 def train_reply(msg: Message, context: Context) -> Message:
     """The reply to a train message: the received model trained on the local data."""
-    cfg = protocol.read_run_config(msg)
-    _set_threads(cfg, context)
-    model = model_from_message(cfg, msg)
-    metrics, extra = local_training(cfg, context, protocol.server_round(msg), model, msg.content)
+    run = client_run(protocol.run_config_text(msg))
+    _set_threads(run, context)
+    model = model_from_message(run, msg)
+    metrics, extra = local_training(run, context, protocol.server_round(msg), model, msg.content)
     records = {protocol.ARRAYS: model_record(model), protocol.METRICS: MetricRecord(metrics)}
     records.update(extra)
     return protocol.reply_message(msg, records)
 
 
-def secure_train(cfg: Mapping[str, Any], context: Context, server_round: int, arrays: protocol.ModelDict) -> tuple[protocol.ModelDict, dict[str, float]]:
+def secure_train(run: RunSettings, context: Context, server_round: int, arrays: protocol.ModelDict) -> tuple[protocol.ModelDict, dict[str, float]]:
     # local training inside secure recombination: the model the node holds at that point
-    _set_threads(cfg, context)
-    model = _model(cfg)
+    _set_threads(run, context)
+    model = _model(run)
     model.load_state_dict({key: torch.from_numpy(np.array(value)) for key, value in arrays.items()}, strict=True)
-    metrics, extra = local_training(cfg, context, server_round, model)
+    metrics, extra = local_training(run, context, server_round, model)
     if extra:
-        raise ValueError(f"objective.name={cfg['objective']['name']!r} replies with {sorted(extra)}, which secure recombination does not relay")
+        raise ValueError(f"objective.name={run.objective.name!r} replies with {sorted(extra)}, which secure recombination does not relay")
     return {key: value.detach().cpu().numpy().copy() for key, value in model.state_dict().items()}, metrics
 
 
 def evaluate_reply(msg: Message, context: Context) -> Message:
     """The reply to an evaluate message: the received model on this node's held-out rows."""
-    cfg = protocol.read_run_config(msg)
-    _set_threads(cfg, context)
-    data = local_data(cfg, context, part="test")
-    model = model_from_message(cfg, msg)
-    metrics = evaluate_model(model, data, resolve_device(cfg["training"]["device"]))
+    run = client_run(protocol.run_config_text(msg))
+    _set_threads(run, context)
+    data = local_data(run, context, part="test")
+    model = model_from_message(run, msg)
+    metrics = evaluate_model(model, data, resolve_device(run.training.device))
     return protocol.reply_message(msg, {protocol.METRICS: MetricRecord(metrics)})

@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import functools
 import json
 import os
 import shlex
@@ -384,6 +385,37 @@ def validate(cfg: DictConfig | Mapping[str, Any], groups: Sequence[str] = GROUPS
         raise ConfigError("clients_per_round", k, f"an integer from 1 to num_clients={run.num_clients}")
     for group in groups:
         getattr(run, group).check(run)
+    return run
+
+
+@functools.lru_cache(maxsize=8)
+def client_run(config_json: str) -> RunSettings:
+    """The run's settings as a ClientApp reads them from a message's config record (the JSON of
+    :meth:`RunSettings.to_dict`, validated by the server).
+
+    Built without validation: the server checked every value, and some checks do not hold on a
+    node (``dataset.path`` names the server's folder; a deployed node reads its own). The groups
+    whose declarations this process does not load (:data:`CLIENT_GROUPS` aside) stay as sent; a
+    group the config lacks (a test's or a bench's partial config) is empty. One object per
+    distinct config: treat it as read-only.
+    """
+    c = json.loads(config_json)
+    if not isinstance(c, dict):
+        raise ConfigError("run config", config_json[:80], "a JSON object of the run's settings")
+    run = RunSettings.lenient({k: v for k, v in c.items() if k not in GROUPS})
+    for group in GROUPS:
+        values = c.get(group, {})
+        if not isinstance(values, dict):
+            raise ConfigError(group, values, f"the {group} settings (a JSON object) in the run config")
+        if group not in CLIENT_GROUPS or (not values and group not in RUN_GROUPS):
+            setattr(run, group, OtherSettings(values=values))
+            continue
+        declared = options(group)
+        cls = declared.get("default") if group in RUN_GROUPS else declared.get(values.get("name"))
+        if cls is None:
+            raise ConfigError(f"{group}.name", values.get("name"),
+                              ", ".join(declared) or f"(no {group} declared on this node: install its package)")
+        setattr(run, group, cls.lenient(values))
     return run
 
 

@@ -223,9 +223,14 @@ def run_config_record(cfg: Mapping[str, Any]) -> str:
     return json.dumps(cfg.to_dict() if hasattr(cfg, "to_dict") else cfg, sort_keys=True)
 
 
+def run_config_text(msg: Message) -> str:
+    """The run's resolved config sent by the server, as its JSON text."""
+    return str(msg.content[CONFIG][RUN_CONFIG])
+
+
 def read_run_config(msg: Message) -> dict[str, Any]:
-    """The run's resolved config sent by the server."""
-    return json.loads(str(msg.content[CONFIG][RUN_CONFIG]))
+    """The run's resolved config sent by the server, as a plain dict."""
+    return json.loads(run_config_text(msg))
 
 
 def server_round(msg: Message) -> int:

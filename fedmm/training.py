@@ -7,9 +7,7 @@ Imports neither Flower nor hydra.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from fedmm.settings import Choice, Int, ListOf, Number, Settings, setting
 
@@ -32,7 +30,7 @@ class TrainingSettings(Settings):
     device: str = setting("auto", Choice("auto", "cpu", "cuda"), "auto (cuda when present) | cpu | cuda")
 
 
-def round_lr(training: Mapping[str, Any], server_round: int) -> float:
+def round_lr(training: TrainingSettings, server_round: int) -> float:
     """Learning rate of a round: ``lr`` times ``lr_decay_factor`` per passed decay round."""
-    passed = sum(1 for r in training["lr_decay_rounds"] if server_round >= r)
-    return float(training["lr"]) * float(training["lr_decay_factor"]) ** passed
+    passed = sum(1 for r in training.lr_decay_rounds if server_round >= r)
+    return float(training.lr) * float(training.lr_decay_factor) ** passed

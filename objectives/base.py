@@ -41,6 +41,9 @@ from fedmm.settings import MapOf, Nullable, Number, Settings, discover, plain, s
 if TYPE_CHECKING:  # Flower only for the defaults below: the objectives train without it
     from flwr.app import RecordDict
 
+    from fedmm.config import RunSettings
+    from fedmm.training import TrainingSettings
+
 
 @dataclass
 class ObjectiveSettings(Settings):
@@ -61,8 +64,9 @@ class LocalUpdate:
 
     Parameters
     ----------
-    cfg : Mapping
-        The run's resolved config (``objective``, ``dataset``, ... groups).
+    run : RunSettings
+        The run's settings (``run.objective``, ``run.dataset``, ...; a plain config mapping is
+        read into settings).
     state : RecordDict
         This node's ``Context.state``: kept across rounds, empty at the node's first round.
     content : RecordDict
@@ -79,11 +83,12 @@ class LocalUpdate:
         if "Settings" in cls.__dict__:  # the declaration knows what it builds
             cls.Settings.objective_class = cls
 
-    def __init__(self, cfg: Mapping[str, Any], state: RecordDict | None = None, content: RecordDict | None = None) -> None:
-        self.cfg = cfg
-        values = cfg.get("objective", {"name": self.Settings.option})
+    def __init__(self, run: RunSettings | Mapping[str, Any], state: RecordDict | None = None, content: RecordDict | None = None) -> None:
+        #: The run's settings (every group; the strategy's as sent by the server).
+        self.run = as_client_run(run)
+        values = self.run.objective
         #: This objective's settings (``objective`` group).
-        self.params = values if isinstance(values, self.Settings) else self.Settings.from_dict(values, "objective.")
+        self.params = values if isinstance(values, self.Settings) else self.Settings.from_dict(values.to_dict(), "objective.")
         if state is None or content is None:
             from flwr.app import RecordDict
         self.state = state if state is not None else RecordDict()
@@ -123,27 +128,28 @@ class LocalUpdate:
 
         from fedmm.protocol import STATE_EXPERIMENT
 
-        tag = hashlib.sha1(json.dumps(plain(self.cfg), sort_keys=True, default=str).encode()).hexdigest()
+        tag = hashlib.sha1(json.dumps(plain(self.run), sort_keys=True, default=str).encode()).hexdigest()
         held = self.state[STATE_EXPERIMENT]["id"] if STATE_EXPERIMENT in self.state else None
         if held != tag:
             for key in list(self.state.keys()):
                 del self.state[key]
             self.state[STATE_EXPERIMENT] = ConfigRecord({"id": tag})
 
-    def optimizer_args(self, training: Mapping[str, Any], lr: float) -> dict[str, float]:
+    def optimizer_args(self, training: TrainingSettings, lr: float) -> dict[str, float]:
         """Keyword arguments of the round's ``torch.optim.SGD`` (default: the ``training`` group's)."""
-        return {"lr": lr, "momentum": float(training["momentum"]), "weight_decay": float(training["weight_decay"])}
+        return {"lr": lr, "momentum": float(training.momentum), "weight_decay": float(training.weight_decay)}
 
     def mu(self) -> float:
         """μ of the objective: ``objective.mu``, or the paper's value for the dataset."""
-        return resolve_mu(self.params, self.cfg["dataset"]["name"])
+        return resolve_mu(self.params, self.run.dataset.name)
 
 
-def resolve_mu(params: Mapping[str, Any], dataset: str) -> float:
-    """``mu`` when set, else ``mu_by_dataset[dataset]``, else ``default_mu``."""
-    if params.get("mu") is not None:
-        return float(params["mu"])
-    return float(params.get("mu_by_dataset", {}).get(dataset, params.get("default_mu", 0.0)))
+def resolve_mu(params: Any, dataset: str) -> float:
+    """``mu`` when set, else ``mu_by_dataset[dataset]``, else ``default_mu`` (the fields of
+    :func:`mu_settings`)."""
+    if params.mu is not None:
+        return float(params.mu)
+    return float(params.mu_by_dataset.get(dataset, params.default_mu))
 
 
 def mu_settings(mu_by_dataset: dict[str, float], default_mu: float, paper: str) -> tuple[Any, Any, Any]:
@@ -173,14 +179,23 @@ def require_strategy(params: Settings, run: Any, strategy: str, method: str) -> 
                           f"{run.strategy.name} ({method}'s clients need strategy={strategy})")
 
 
-def build_local_update(cfg: Mapping[str, Any], state: RecordDict | None = None, content: RecordDict | None = None) -> LocalUpdate:
-    """The objective that ``objective.name`` selects (default ``ce``), for one train message."""
-    objective = cfg.get("objective", {"name": "ce"})
-    name = objective.get("name", "ce")
+def as_client_run(run: RunSettings | Mapping[str, Any]) -> RunSettings:
+    """``run`` as settings: a complete plain config (a test's, a bench's) is read as a ClientApp reads it."""
+    from fedmm.config import RunSettings, client_run
+
+    if isinstance(run, RunSettings):
+        return run
+    return client_run(json.dumps(plain(run), sort_keys=True, default=str))
+
+
+def build_local_update(run: RunSettings | Mapping[str, Any], state: RecordDict | None = None, content: RecordDict | None = None) -> LocalUpdate:
+    """The objective that ``objective.name`` selects, for one train message."""
+    run = as_client_run(run)
+    name = run.objective.name
     declared = discover("objective")
     if name not in declared:
         raise ConfigError("objective.name", name, ", ".join(declared))
-    return declared[name].objective_class(cfg, state, content)
+    return declared[name].objective_class(run, state, content)
 
 
 CESettings.objective_class = LocalUpdate  # the base class is the plain objective

@@ -54,7 +54,7 @@ class FedDynClient(LocalUpdate):
         from fedmm import protocol  # here: the objectives import without Flower
 
         self.own_state()
-        self.alpha = float(self.cfg["strategy"]["alpha"])
+        self.alpha = float(self.run.strategy.alpha)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.server = {n: p.detach().clone() for n, p in named}
         if GRADIENT_STATE in self.state:

@@ -65,9 +65,9 @@ class FedGenClient(LocalUpdate):
     Settings = FedGenClientSettings
 
     def _weight(self, key: str, table: str, default: str, server_round: int) -> float:
-        value = self.params.get(key)
+        value = getattr(self.params, key)
         if value is None:
-            value = self.params.get(table, {}).get(self.cfg["dataset"]["name"], self.params[default])
+            value = getattr(self.params, table).get(self.run.dataset.name, getattr(self.params, default))
         return max(1e-4, float(value) * float(self.params.decay) ** (server_round - 1)) if value else 0.0
 
     def begin(self, model: nn.Module, server_round: int) -> None:
@@ -76,13 +76,13 @@ class FedGenClient(LocalUpdate):
 
         from fedmm.models.generator import Generator
 
-        self.num_classes = int(self.cfg["dataset"]["num_classes"])
+        self.num_classes = int(self.run.dataset.num_classes)
         self.counts = torch.zeros(self.num_classes, dtype=torch.long)
         self.steps_seen = 0
         self.generator: nn.Module | None = None
         if GENERATOR in self.content:
-            s = self.cfg["strategy"]
-            gen = Generator(int(s["noise_dim"]), self.num_classes, int(model.latent_dim), int(s["hidden_dim"]))
+            s = self.run.strategy
+            gen = Generator(int(s.noise_dim), self.num_classes, int(model.latent_dim), int(s.hidden_dim))
             state = protocol.record_to_model(self.content[GENERATOR])
             gen.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in state.items()})
             self.generator = frozen(gen.to(next(model.parameters()).device))
@@ -120,7 +120,7 @@ class FedGenClient(LocalUpdate):
         row is visited once per epoch, so this is the client's full histogram)."""
         from fedmm import protocol  # here: the objectives import without Flower
 
-        epochs = max(1, int(self.cfg["training"]["local_epochs"]))
+        epochs = max(1, int(self.run.training.local_epochs))
         counts = (self.counts // epochs).numpy().astype(np.int64)
         return {LABEL_COUNTS: protocol.model_to_record({LABEL_COUNTS: counts})}
 

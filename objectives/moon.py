@@ -105,7 +105,7 @@ class Moon(LocalUpdate):
         net = copy.deepcopy(model)
         generator_state = torch.random.get_rng_state()
         try:
-            torch.manual_seed(hash((int(self.cfg.get("seed", 0)), 0x300, self.node)) % (2**63))
+            torch.manual_seed(hash((self.run.seed, 0x300, self.node)) % (2**63))
             for module in net.modules():
                 if hasattr(module, "reset_parameters"):
                     module.reset_parameters()

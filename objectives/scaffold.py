@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,6 +11,7 @@ import torch
 from torch import nn
 
 from fedmm.settings import Choice, Nullable, Number, setting
+from fedmm.training import TrainingSettings
 from objectives.base import LocalUpdate, ObjectiveSettings, require_strategy
 
 #: ArrayRecord of a train message: the server's control variate c (trainable parameters).
@@ -68,7 +68,7 @@ class Scaffold(LocalUpdate):
 
     Settings = ScaffoldClientSettings
 
-    def optimizer_args(self, training: Mapping[str, Any], lr: float) -> dict[str, float]:
+    def optimizer_args(self, training: TrainingSettings, lr: float) -> dict[str, float]:
         """SGD with SCAFFOLD's own ``momentum``."""
         return {**super().optimizer_args(training, lr), "momentum": float(self.params.momentum)}
 
@@ -130,7 +130,7 @@ class Scaffold(LocalUpdate):
 
         if self.steps == 0:
             raise ValueError("SCAFFOLD: no optimizer step was taken (no training data?)")
-        lr = self.lr_used if self.params.control_lr == "used" else float(self.cfg["training"]["lr"])
+        lr = self.lr_used if self.params.control_lr == "used" else float(self.run.training.lr)
         scale = 1.0 / (self.steps * lr)
         new, delta = {}, {}
         with torch.no_grad():

@@ -105,10 +105,11 @@ class StrategySettings(Settings):
 
     def check(self, run: Any) -> None:
         """Clients evaluate on rows they never train on: fraction_evaluate > 0 needs a held-out part."""
-        if self.fraction_evaluate > 0 and not run.partition.get("local_test_fraction"):
+        held_out = getattr(run.partition, "local_test_fraction", 0.0)
+        if self.fraction_evaluate > 0 and not held_out:
             raise ConfigError(
                 "partition.local_test_fraction",
-                run.partition.get("local_test_fraction"),
+                held_out,
                 f"a fraction > 0 when strategy.fraction_evaluate={self.fraction_evaluate} "
                 "(clients evaluate on held-out rows of their own data, never on what they train on)",
             )

@@ -213,8 +213,8 @@ class FedGen(FedAvg):
         return cls(run.clients_per_round, run.seed, settings=settings)
 
 
-def resolve_ensemble_lr(settings: Mapping[str, Any], dataset: str) -> float:
+def resolve_ensemble_lr(settings: FedGenSettings, dataset: str) -> float:
     """``ensemble_lr`` when set, else the value for the dataset, else the default."""
-    if settings.get("ensemble_lr") is not None:
-        return float(settings["ensemble_lr"])
-    return float(settings.get("ensemble_lr_by_dataset", {}).get(dataset, settings["default_ensemble_lr"]))
+    if settings.ensemble_lr is not None:
+        return float(settings.ensemble_lr)
+    return float(settings.ensemble_lr_by_dataset.get(dataset, settings.default_ensemble_lr))

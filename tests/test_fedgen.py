@@ -107,7 +107,7 @@ def test_server_trains_the_generator_and_its_loss_goes_down() -> None:
 
 
 def test_client_terms_from_round_two_and_its_label_histogram() -> None:
-    cfg = fedgen_cfg()
+    cfg = fedgen_cfg("training.local_epochs=1")
     spec = InputSpec(kind="image", num_classes=10, shape=(1, 28, 28))
     torch.manual_seed(0)
     model = build_model("cnn", spec)
@@ -116,7 +116,6 @@ def test_client_terms_from_round_two_and_its_label_histogram() -> None:
     first.begin(model, 1)
     loss, logits = first.loss(model, x, y)
     assert first.generator is None and float(loss) == pytest.approx(float(F.cross_entropy(logits, y)))  # round 1: CE
-    cfg["training"]["local_epochs"] = 1
     counts = first.end(model)[fedgen_client.LABEL_COUNTS][fedgen_client.LABEL_COUNTS].numpy()
     assert counts.tolist() == [2, 1, 0, 3, 0, 0, 0, 0, 0, 0]
 
@@ -130,9 +129,9 @@ def test_client_terms_from_round_two_and_its_label_histogram() -> None:
     loss.backward()
     assert all(p.grad is None and not p.requires_grad for p in second.generator.parameters())
     assert second.metrics()["fedgen_kl"] >= 0 and second.metrics()["fedgen_ce"] > 0
-    original = FedGenClient(fedgen_cfg("strategy=fedgen_original"), RecordDict(), content)
-    assert original.params["decay"] == 0.98
-    original.cfg["strategy"]["noise_dim"] = cfg["strategy"]["noise_dim"]  # the generator above has noise 100
+    # the generator above has noise 100
+    original = FedGenClient(fedgen_cfg("strategy=fedgen_original", f"strategy.noise_dim={cfg['strategy']['noise_dim']}"), RecordDict(), content)
+    assert original.params.decay == 0.98
     original.begin(model, 11)
     assert original.alpha == pytest.approx(0.2 * 0.98**10)
 

@@ -12,7 +12,7 @@ from objectives.base import LocalUpdate, ObjectiveSettings, build_local_update, 
 from objectives.fedprox import FedProx
 from objectives.fedrl import FedRL
 from client_app.training import train
-from fedmm.config import compose, to_container
+from fedmm.config import RunSettings, compose, to_container
 from fedmm.data import ImageNormalize, TensorData, input_spec
 from fedmm.models import build_model
 
@@ -28,14 +28,14 @@ def mnist_model(name: str = "cnn"):
     return build_model(name, input_spec(to_container(compose([]))["dataset"]))
 
 
-def cfg_with(*overrides: str) -> dict:
-    return to_container(compose(["training.local_epochs=1", "training.batch_size=16", *overrides]))
+def cfg_with(*overrides: str) -> RunSettings:
+    return compose(["training.local_epochs=1", "training.batch_size=16", *overrides])
 
 
-def trained_weights(cfg: dict) -> dict[str, torch.Tensor]:
+def trained_weights(cfg: RunSettings) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     model = mnist_model()
-    train(model, tiny_data(), build_local_update(cfg), cfg["training"], 1, torch.Generator().manual_seed(1), torch.device("cpu"))
+    train(model, tiny_data(), build_local_update(cfg), cfg.training, 1, torch.Generator().manual_seed(1), torch.device("cpu"))
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
@@ -118,21 +118,21 @@ def test_review_term_is_zero_when_models_are_equal_and_reference_never_moves() -
 
 
 def test_mu_resolution_follows_the_paper_table() -> None:
-    params = to_container(compose(["objective=fedrl"]))["objective"]
+    params = compose(["objective=fedrl"]).objective
     assert resolve_mu(params, "fashion_mnist") == 0.004
     assert resolve_mu(params, "cifar100") == 0.0001
-    assert resolve_mu({**params, "mu": 0.2}, "cifar100") == 0.2
-    prox = to_container(compose(["objective=fedprox"]))["objective"]
+    assert resolve_mu(params.replace(mu=0.2), "cifar100") == 0.2
+    prox = compose(["objective=fedprox"]).objective
     assert resolve_mu(prox, "femnist") == 0.1 and resolve_mu(prox, "cifar10") == 0.01
     assert type(build_local_update({"objective": {"name": "ce"}})) is LocalUpdate
 
 
 def test_lr_schedule_divides_at_decay_rounds() -> None:
-    from fedmm.training import round_lr
+    from fedmm.training import TrainingSettings, round_lr
 
-    training = {"lr": 0.01, "lr_decay_rounds": [40, 80], "lr_decay_factor": 0.1}
+    training = TrainingSettings(lr=0.01, lr_decay_rounds=[40, 80], lr_decay_factor=0.1)
     assert [round_lr(training, r) for r in (1, 39, 40, 79, 80, 120)] == pytest.approx([0.01, 0.01, 0.001, 0.001, 0.0001, 0.0001])
-    assert np.isclose(round_lr({**training, "lr_decay_rounds": []}, 100), 0.01)
+    assert np.isclose(round_lr(training.replace(lr_decay_rounds=[]), 100), 0.01)
 
 
 @dataclass
@@ -168,8 +168,10 @@ def counting_objective():
     from fedmm import settings
 
     settings._DECLARED[("objective", "counting")] = CountingSettings
+    CountingSettings.option = "counting"
     yield
     del settings._DECLARED[("objective", "counting")]
+    CountingSettings.option = ""
 
 
 def test_a_plugin_reads_extra_records_keeps_state_steps_and_adds_reply_records(counting_objective) -> None:

@@ -17,12 +17,13 @@ from fedmm import protocol
 from fedmm.config import compose, to_container
 from fedmm.errors import ConfigError
 from fedmm.protocol import model_to_record, record_to_model
+from fedmm.training import TrainingSettings
 from strategies.fedavg import FedAvg
 from strategies.scaffold import Scaffold as ScaffoldServer
 from strategies.scaffold import scaffold_step
 from tests.fakes import FakeGrid
 
-TRAINING = {"lr": 0.1, "momentum": 0.5, "weight_decay": 0.0, "lr_decay_rounds": [], "lr_decay_factor": 0.1}
+TRAINING = TrainingSettings(lr=0.1, momentum=0.5, weight_decay=0.0, lr_decay_rounds=[], lr_decay_factor=0.1)
 OBJECTIVE = {"name": "scaffold", "momentum": 0.0, "clip_norm": None, "control_lr": "used"}
 
 
@@ -40,7 +41,7 @@ def load(model: nn.Module, msg) -> nn.Module:
 class Nodes:
     """Node functions running a local-update plugin for 3 SGD steps, each node with its own state."""
 
-    def __init__(self, plugin: type[LocalUpdate] = Scaffold, objective: dict | None = None, training: dict | None = None) -> None:
+    def __init__(self, plugin: type[LocalUpdate] = Scaffold, objective: dict | None = None, training: TrainingSettings | None = None) -> None:
         self.plugin, self.objective, self.training = plugin, objective or OBJECTIVE, training or TRAINING
         self.states: dict[str, RecordDict] = {}
 
@@ -109,7 +110,7 @@ def test_server_c_is_the_mean_of_every_clients_c_i_under_partial_participation()
 def test_first_round_with_zero_controls_equals_fedavg() -> None:
     n = 4
     sc = run(ScaffoldServer(clients_per_round=3, seed=2, num_clients=n), FakeGrid(Nodes(), num_nodes=n, seed=0), [1])
-    plain = Nodes(LocalUpdate, {"name": "ce"}, {**TRAINING, "momentum": 0.0})  # SCAFFOLD's explicit momentum 0
+    plain = Nodes(LocalUpdate, {"name": "ce"}, TRAINING.replace(momentum=0.0))  # SCAFFOLD's explicit momentum 0
     fa = run(FedAvg(clients_per_round=3, seed=2), FakeGrid(plain, num_nodes=n, seed=0), [1])
     for key in fa:
         np.testing.assert_allclose(sc[key], fa[key], rtol=1e-5, atol=1e-6)

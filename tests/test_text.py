@@ -148,10 +148,11 @@ def test_the_client_builds_the_servers_architecture_with_its_options(leaf: dict[
     # sent_lstm's embedding_dim (e.g. 300 for 300-d GloVe) reaches the ClientApp's model, so the
     # server's arrays load into it
     from client_app.work import _model
+    from fedmm.config import client_run, dumps
 
     cfg = text_cfg("sent140", leaf["sent140"], "model.embedding_dim=12")
     server = model_for(cfg, input_spec(cfg["dataset"])).state_dict()
-    client = _model(cfg)
+    client = _model(client_run(dumps(cfg)))  # the settings as the ClientApp reads them from a message
     assert next(iter(client.state_dict().values())).shape[1] == 12  # the embedding table
     client.load_state_dict(server, strict=True)
 

@@ -112,16 +112,16 @@ def build_model(name: str, spec: InputSpec, projection_dim: int | None = None,
     return model
 
 
-def model_options(cfg: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
-    """The architecture options a run config sets for its model (e.g. ``sent_lstm``'s
+def model_options(model: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """The architecture options that the ``model`` settings set (e.g. ``sent_lstm``'s
     ``embedding_dim``), as sorted pairs (hashable)."""
-    name = cfg["model"]["name"]
-    return tuple(sorted((k, cfg["model"][k]) for k in _OPTIONS.get(name, ()) if k in cfg["model"]))
+    return tuple(sorted((k, model[k]) for k in _OPTIONS.get(model["name"], ()) if k in model))
 
 
-def model_for(cfg: Mapping[str, Any], spec: InputSpec) -> LayeredModel:
-    """The model of a run config (``model.name`` and its options)."""
-    return build_model(cfg["model"]["name"], spec, cfg["model"].get("projection_dim"), dict(model_options(cfg)))
+def model_for(run: Any, spec: InputSpec) -> LayeredModel:
+    """The model of a run (its ``model`` settings: the name, the options, a projection head)."""
+    model = run.model if isinstance(run, Settings) else run["model"]
+    return build_model(model["name"], spec, model.get("projection_dim"), dict(model_options(model)))
 
 
 @dataclass
