@@ -18,14 +18,15 @@ def content_for(cfg: Mapping[str, Any], model: torch.nn.Module):  # noqa: ANN201
 
     from fedmm import protocol
     from fedmm.models.generator import Generator
+    from objectives import fedgen, scaffold
 
     records = {}
     objective = cfg["objective"]["name"]
-    if objective == "scaffold":
-        records[protocol.CONTROL] = protocol.model_to_record(
+    if objective.startswith("scaffold"):
+        records[scaffold.CONTROL] = protocol.model_to_record(
             {n: np.zeros(tuple(p.shape), np.float32) for n, p in model.named_parameters()})
-    elif objective == "fedgen":
+    elif objective.startswith("fedgen"):
         s = cfg["strategy"]
         gen = Generator(s["noise_dim"], int(cfg["dataset"]["num_classes"]), model.latent_dim, s["hidden_dim"])
-        records[protocol.GENERATOR] = protocol.model_to_record({k: v.numpy() for k, v in gen.state_dict().items()})
+        records[fedgen.GENERATOR] = protocol.model_to_record({k: v.numpy() for k, v in gen.state_dict().items()})
     return RecordDict(records)

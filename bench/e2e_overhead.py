@@ -369,7 +369,7 @@ def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
             generator = torch.Generator().manual_seed(hash((seed, server_round, pid)) % (2**63))
             local = build_local_update(cfg, states[pid], content)
             local.node = pid
-            metrics = train(client_model, data, local, cfg["training"], server_round, generator, device)
+            metrics = train(client_model, data, local, local.run.training, server_round, generator, device)
             local.end(client_model)
             trained.append(_to_numpy(client_model))
             weights.append(float(metrics["num-examples"]))

@@ -69,7 +69,7 @@ def main() -> None:
                 update = build_local_update(cfg, states[method][pid], content)
                 update.node = pid
                 t = time.perf_counter()
-                train(model, data, update, cfg["training"], rnd + 1, torch.Generator().manual_seed(pid), torch.device("cpu"))
+                train(model, data, update, update.run.training, rnd + 1, torch.Generator().manual_seed(pid), torch.device("cpu"))
                 update.end(model)
                 if rnd > 0:
                     times[method].append(time.perf_counter() - t)
