@@ -11,6 +11,7 @@ runs it on a machine with PyTorch only); :func:`train` adds the reply's metric n
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -29,18 +30,41 @@ def train_epochs(
     generator: torch.Generator,
     device: torch.device,
 ) -> tuple[float, float]:
-    """Run ``local_epochs`` of SGD through ``update``; return (mean training loss, seconds)."""
+    """Run ``local_epochs`` (or ``local_steps`` steps) of SGD through ``update``; return (mean
+    training loss, seconds)."""
     start = time.perf_counter()
     model.to(device).train()
     update.begin(model, server_round)
     optimizer = torch.optim.SGD(model.parameters(), **update.optimizer_args(training, round_lr(training, server_round)))
+    if training.clip_grad_norm is not None:  # before every step, whatever the objective's step does
+        trained = [p for p in model.parameters() if p.requires_grad]
+        max_norm = float(training.clip_grad_norm)
+        optimizer.register_step_pre_hook(lambda *_: torch.nn.utils.clip_grad_norm_(trained, max_norm))
     total_loss, total_seen = 0.0, 0
-    for _ in range(training.local_epochs):
-        for x, y in batches(data, training.batch_size, shuffle=True, generator=generator, device=device):
-            loss = update.step(model, optimizer, x, y)
-            total_loss += float(loss.detach()) * len(y)
-            total_seen += len(y)
+    for x, y in local_batches(data, training, generator, device):
+        loss = update.step(model, optimizer, x, y)
+        total_loss += float(loss.detach()) * len(y)
+        total_seen += len(y)
     return total_loss / max(total_seen, 1), time.perf_counter() - start
+
+
+def local_batches(data: TensorData, training: TrainingSettings, generator: torch.Generator, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The round's minibatches: ``local_epochs`` reshuffled passes over ``data``, or, with
+    ``local_steps``, passes until that many batches (the last pass cut short). ``drop_last``
+    leaves out each pass's short batch; a client with fewer rows than a batch then takes no step."""
+    steps = training.local_steps
+    epochs = training.local_epochs if steps is None else None
+    taken, passes = 0, 0
+    while (epochs is None or passes < epochs) and (steps is None or taken < steps):
+        before = taken
+        for batch in batches(data, training.batch_size, shuffle=True, generator=generator, device=device, drop_last=training.drop_last):
+            yield batch
+            taken += 1
+            if steps is not None and taken == steps:
+                return
+        passes += 1
+        if taken == before:  # no batch in a pass: no step will ever be taken
+            return
 
 
 def train(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fedmm.settings import Choice, Int, ListOf, Number, Settings, setting
+from fedmm.settings import Bool, Choice, Int, ListOf, Nullable, Number, Settings, setting
 
 
 @dataclass
@@ -27,10 +27,27 @@ class TrainingSettings(Settings):
     lr_decay_rounds: list = setting([], ListOf(Int(min=1), "a list of rounds >= 1"),
                                     "divide lr by lr_decay_factor at these rounds", paper="[40, 80] (FedRL)")
     lr_decay_factor: float = setting(0.1, Number(gt=0, le=1), "the factor of each lr decay")
+    lr_round_decay: float = setting(1.0, Number(gt=0, le=1),
+                                    "multiply lr by this every round: round r trains with lr × lr_round_decay^(r−1)",
+                                    paper="0.998 (FedExP's and SCAFFOLD's original code)", label="lr ×{}/round")
+    clip_grad_norm: float | None = setting(None, Nullable(Number(gt=0), "null (no clipping) or a norm > 0"),
+                                           "clip the gradient's global L2 norm to this before each optimizer step",
+                                           paper="10 (FedExP's original code)", label="clip {}")
+    local_steps: int | None = setting(None, Nullable(Int(min=1), "null (local_epochs) or an integer >= 1"),
+                                      "a fixed number of SGD steps per round instead of local_epochs (batches "
+                                      "drawn epoch after epoch, each epoch reshuffled)", paper="20 (FedExP's original code)",
+                                      label="{} steps")
+    drop_last: bool = setting(False, Bool(), "drop each epoch's last batch when it is smaller than batch_size",
+                              paper="true (SCAFFOLD's lab code, FedExP's original code)", label="drop_last={}")
     device: str = setting("auto", Choice("auto", "cpu", "cuda"), "auto (cuda when present) | cpu | cuda")
+
+    #: Declared after runs were made: the values that reproduce those runs.
+    added = {"lr_round_decay": 1.0, "clip_grad_norm": None, "local_steps": None, "drop_last": False}
 
 
 def round_lr(training: TrainingSettings, server_round: int) -> float:
-    """Learning rate of a round: ``lr`` times ``lr_decay_factor`` per passed decay round."""
+    """Learning rate of a round: ``lr`` times ``lr_decay_factor`` per passed decay round, times
+    ``lr_round_decay`` per round before this one."""
     passed = sum(1 for r in training.lr_decay_rounds if server_round >= r)
-    return float(training.lr) * float(training.lr_decay_factor) ** passed
+    decayed = float(training.lr_round_decay) ** (server_round - 1) if training.lr_round_decay != 1.0 else 1.0
+    return float(training.lr) * float(training.lr_decay_factor) ** passed * decayed

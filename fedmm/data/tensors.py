@@ -110,6 +110,7 @@ def batches(
     shuffle: bool,
     generator: torch.Generator | None,
     device: str | torch.device = "cpu",
+    drop_last: bool = False,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Yield model-ready minibatches from an in-memory split.
 
@@ -118,13 +119,15 @@ def batches(
     data : TensorData
         The split to iterate over; its ``transform`` makes each batch model input.
     batch_size : int
-        Rows per batch; the last batch may be smaller (no row is dropped).
+        Rows per batch; the last batch may be smaller (kept unless ``drop_last``).
     shuffle : bool
         Visit the rows in a random order drawn from ``generator``.
     generator : torch.Generator or None
         Source of the permutation (the global RNG when None).
     device : str or torch.device
         Where the batches are placed.
+    drop_last : bool
+        Leave out the last batch when it has fewer than ``batch_size`` rows.
 
     Yields
     ------
@@ -141,7 +144,8 @@ def batches(
     if shuffle:
         gen_device = generator.device if generator is not None else "cpu"
         order = torch.randperm(n, generator=generator, device=gen_device).to(device)
-    for start in range(0, n, batch_size):
+    stop = n - n % batch_size if drop_last else n
+    for start in range(0, stop, batch_size):
         if shuffle:
             idx = order[start : start + batch_size]
             xb, yb = x_all[idx], y_all[idx]
