@@ -33,13 +33,18 @@ def train_epochs(
     """Run ``local_epochs`` (or ``local_steps`` steps) of SGD through ``update``; return (mean
     training loss, seconds)."""
     start = time.perf_counter()
+    training = update.local_training(training)
     model.to(device).train()
     update.begin(model, server_round)
     optimizer = torch.optim.SGD(model.parameters(), **update.optimizer_args(training, round_lr(training, server_round)))
     if training.clip_grad_norm is not None:  # before every step, whatever the objective's step does
         trained = [p for p in model.parameters() if p.requires_grad]
         max_norm = float(training.clip_grad_norm)
-        optimizer.register_step_pre_hook(lambda *_: torch.nn.utils.clip_grad_norm_(trained, max_norm))
+
+        def clip(*_: object) -> None:
+            torch.nn.utils.clip_grad_norm_(trained, max_norm)
+
+        optimizer.register_step_pre_hook(clip)
     total_loss, total_seen = 0.0, 0
     for x, y in local_batches(data, training, generator, device):
         loss = update.step(model, optimizer, x, y)
@@ -51,13 +56,16 @@ def train_epochs(
 def local_batches(data: TensorData, training: TrainingSettings, generator: torch.Generator, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """The round's minibatches: ``local_epochs`` reshuffled passes over ``data``, or, with
     ``local_steps``, passes until that many batches (the last pass cut short). ``drop_last``
-    leaves out each pass's short batch; a client with fewer rows than a batch then takes no step."""
+    leaves out each pass's short batch, except when it is the only one: a client with fewer rows
+    than a batch still trains on them (PyTorch's ``drop_last`` would give it no step at all, and
+    SCAFFOLD's control update would divide by zero steps)."""
     steps = training.local_steps
     epochs = training.local_epochs if steps is None else None
+    drop_last = training.drop_last and len(data) >= training.batch_size
     taken, passes = 0, 0
     while (epochs is None or passes < epochs) and (steps is None or taken < steps):
         before = taken
-        for batch in batches(data, training.batch_size, shuffle=True, generator=generator, device=device, drop_last=training.drop_last):
+        for batch in batches(data, training.batch_size, shuffle=True, generator=generator, device=device, drop_last=drop_last):
             yield batch
             taken += 1
             if steps is not None and taken == steps:

@@ -37,7 +37,8 @@ class TrainingSettings(Settings):
                                       "a fixed number of SGD steps per round instead of local_epochs (batches "
                                       "drawn epoch after epoch, each epoch reshuffled)", paper="20 (FedExP's original code)",
                                       label="{} steps")
-    drop_last: bool = setting(False, Bool(), "drop each epoch's last batch when it is smaller than batch_size",
+    drop_last: bool = setting(False, Bool(), "drop each epoch's last batch when it is smaller than batch_size "
+                              "(not a client's only batch)",
                               paper="true (SCAFFOLD's lab code, FedExP's original code)", label="drop_last={}")
     device: str = setting("auto", Choice("auto", "cpu", "cuda"), "auto (cuda when present) | cpu | cuda")
 

@@ -36,7 +36,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fedmm.errors import ConfigError
-from fedmm.settings import MapOf, Nullable, Number, Settings, discover, plain, setting
+from fedmm.settings import AnyValue, MapOf, Nullable, Number, Settings, discover, plain, setting
 
 if TYPE_CHECKING:  # Flower only for the defaults below: the objectives train without it
     from flwr.app import RecordDict
@@ -47,9 +47,24 @@ if TYPE_CHECKING:  # Flower only for the defaults below: the objectives train wi
 
 @dataclass
 class ObjectiveSettings(Settings):
-    """Settings every client objective has (none); an objective's declaration extends this one."""
+    """Settings every client objective has; an objective's declaration extends this one."""
 
     group = "objective"
+    training: dict = setting({}, MapOf(AnyValue(), "a mapping of training-group keys to values"),
+                             "training settings this objective's clients use in place of the training group's "
+                             "(an original code's client: SCAFFOLD's lab code decays lr per round, FedExP's takes 20 steps)")
+
+    #: Declared after runs were made: the value that reproduces those runs.
+    added = {"training": {}}
+
+    def check_values(self, prefix: str) -> None:
+        from fedmm.training import TrainingSettings
+
+        for key in self.training:
+            if key not in TrainingSettings.__dataclass_fields__ or key == "device":
+                allowed = ", ".join(f.name for f in TrainingSettings.settings_fields() if f.name != "device")
+                raise ConfigError(f"{prefix}training.{key}", self.training[key], f"keys of the training group: {allowed}")
+        TrainingSettings.from_dict({**TrainingSettings().to_dict(), **self.training}, f"{prefix}training.")
 
 
 @dataclass
@@ -134,6 +149,11 @@ class LocalUpdate:
             for key in list(self.state.keys()):
                 del self.state[key]
             self.state[STATE_EXPERIMENT] = ConfigRecord({"id": tag})
+
+    def local_training(self, training: TrainingSettings) -> TrainingSettings:
+        """The training settings of this node's round: the training group's, with this
+        objective's own ``training`` overrides."""
+        return training.replace(**self.params.training) if self.params.training else training
 
     def optimizer_args(self, training: TrainingSettings, lr: float) -> dict[str, float]:
         """Keyword arguments of the round's ``torch.optim.SGD`` (default: the ``training`` group's)."""

@@ -130,7 +130,7 @@ class Scaffold(LocalUpdate):
 
         if self.steps == 0:
             raise ValueError("SCAFFOLD: no optimizer step was taken (no training data?)")
-        lr = self.lr_used if self.params.control_lr == "used" else float(self.run.training.lr)
+        lr = self.lr_used if self.params.control_lr == "used" else float(self.local_training(self.run.training).lr)
         scale = 1.0 / (self.steps * lr)
         new, delta = {}, {}
         with torch.no_grad():

@@ -221,6 +221,10 @@ def _run_locked(grid: Grid, cfg: RunSettings, run_dir: Path, checkpoint: dict[st
             else:
                 model.load_state_dict(arrays.to_torch_state_dict())
                 metrics = evaluate_model(model, test, device)
+            tracked = strategy.models_to_track() if server_round > 0 else None
+            for index, state in enumerate(tracked or []):  # e.g. Indep's K models, each on its own
+                model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in state.items()})
+                spread[f"model_{index}_accuracy"] = evaluate_model(model, test, device)["accuracy"]
             elapsed = time.perf_counter() - t0
             row = {
                 "round": server_round,

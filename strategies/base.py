@@ -232,6 +232,11 @@ class RoundLoopStrategy(Strategy):
         accuracy), or None: the global model is evaluated (default)."""
         return None
 
+    def models_to_track(self) -> list[ModelDict] | None:
+        """Models whose own accuracy the central evaluation records beside the global model's
+        (``model_<i>_accuracy``), or None (default)."""
+        return None
+
     def extra_records(self, server_round: int, slot: int) -> dict[str, Any]:
         """Further records of the train message of ``slot`` (e.g. a control variate)."""
         return {}

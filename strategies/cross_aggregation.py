@@ -69,17 +69,21 @@ def model_similarity(models: Sequence[Mapping[str, np.ndarray]], mode: str = "mo
 
     ``model``: one cosine over all floating-point weights (the paper's formula).
     ``chunked``: the sum of cosines over consecutive chunks of ``chunk_size`` state_dict
-    tensors (the authors' code, with chunks of two: a layer's weight and bias).
+    tensors, as the authors' code chunks them: every state_dict entry in order, integer buffers
+    (BatchNorm's ``num_batches_tracked``) included as numbers, so that the pairs are theirs
+    (chunks of two: a layer's weight and bias). Each chunk counts once; the authors' loop adds
+    its last chunk a second time after the loop, which we do not copy (it weighs the classifier
+    double).
     """
-    keys = _float_keys(models[0])
     if mode == "model":
-        return _cosine_from_gram(_gram(models, keys))
+        return _cosine_from_gram(_gram(models, _float_keys(models[0])))
     if mode == "chunked":
         if chunk_size < 1:
             raise ValueError(f"chunk_size={chunk_size!r}; allowed: an integer >= 1")
+        keys = list(models[0])
         total = np.zeros((len(models), len(models)))
         for start in range(0, len(keys), chunk_size):
-            total += _cosine_from_gram(_gram(models, keys[start : start + chunk_size]))
+            total += _cosine_from_gram(_gram(models, keys[start : start + chunk_size], dtype=np.float64))
         return total
     raise ValueError(f"similarity={mode!r}; allowed: {', '.join(SIMILARITIES)}")
 

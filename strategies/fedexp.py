@@ -25,6 +25,7 @@ class FedExPSettings(FedAvgSettings):
     """FedExP's server step (Jhunjhunwala et al., ICLR 2023)."""
 
     option = "fedexp"
+    companions = {"objective": "fedexp_original"}
     title = "FedExP"
     epsilon: float = setting(0.001, Number(gt=0), "ε of round 1 (the original: 1e-3 for CIFAR, 0.1 for EMNIST)", paper="1e-3")
     epsilon_decay: float = setting(0.996004, Number(gt=0, le=1), "ε is multiplied by this every round (0.998², as the "

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fedmm.protocol import ModelDict
-from fedmm.settings import Choice, Int, Nullable, Number, setting
+from fedmm.settings import Bool, Choice, Int, MapOf, Nullable, Number, setting
 from strategies.aggregation import mean_models
 from strategies.base import StrategySettings
 from strategies.multimodel import MultiModelStrategy
@@ -28,12 +28,21 @@ class FedMRSettings(StrategySettings):
     title = "FedMR"
     first_stage_rounds: int = setting(0, Int(min=0), "rounds of plain aggregation first (two-stage training)",
                                       paper="0 (CNN), 100 (ResNet-20, VGG-16)", label="first stage {}")
+    first_stage_by_model: dict = setting({}, MapOf(Int(min=0), "a mapping of model names to rounds >= 0"),
+                                         "first-stage rounds by model name, in place of first_stage_rounds for a "
+                                         "listed model (one sweep over several models)",
+                                         paper="{resnet20: 100, resnet20-preact: 100, vgg16: 100} (preset fedmr_paper)")
     granularity: str = setting("tensor", Choice(*GRANULARITIES), "tensor: each state_dict entry on its own (the authors' "
                                "code) | layer: whole modules move together", label="{} granularity")
     partition_ratio: float | None = setting(None, Nullable(Number(gt=0, le=1), "null (layer-wise) or a number in (0, 1]; 1.0 = Indep"),
                                             '"FedMR-p x": ceil(1/x) contiguous segments share one permutation; 1.0 = Indep')
+    track_models: bool = setting(False, Bool(), "evaluate each of the K models too, every evaluated round "
+                                 "(model_<i>_accuracy in metrics.jsonl; KDD Fig. 5 plots Indep's models)")
     secure: SecureSettings = setting(SecureSettings(), help="secure recombination: clients swap layers, sealed end to "
                                      "end, relayed by the server (docs/secure_recombination.md)")
+
+    #: Declared after runs were made: the values that reproduce those runs.
+    added = {"first_stage_by_model": {}, "track_models": False}
 
     @property
     def display(self) -> str:
@@ -69,12 +78,24 @@ class FedMR(MultiModelStrategy):
         self.segments = segments_for_ratio(self.settings.partition_ratio)
         self.secure = secure if secure is not None else SecureRecombination.from_settings(self.settings.secure)
 
+    @classmethod
+    def from_settings(cls, run: Any) -> FedMR:
+        """FedMR of a run, its first stage resolved for the run's model (``first_stage_by_model``)."""
+        by_model = run.strategy.first_stage_by_model
+        if run.model.name in by_model:
+            return cls(run.clients_per_round, run.seed, settings=run.strategy.replace(first_stage_rounds=by_model[run.model.name]))
+        return super().from_settings(run)
+
     def run_round(self, server_round, grid, arrays, config, timeout):  # type: ignore[no-untyped-def]
         """Plain FedMR: one train phase; with secure recombination, its phases
         (:class:`~strategies.secure_recombination.SecureRecombination`)."""
         if self.secure is None:
             return super().run_round(server_round, grid, arrays, config, timeout)
         return self.secure.run_round(self, server_round, grid, arrays, config, timeout)
+
+    def models_to_track(self) -> list[ModelDict] | None:
+        """The K models, when ``track_models`` is on."""
+        return list(self.models) if self.track_models and self.models else None
 
     def update_models(self, server_round: int, models: list[ModelDict], trained: list[int]) -> list[ModelDict]:
         """Stage 1: every model becomes the mean; stage 2: recombine."""

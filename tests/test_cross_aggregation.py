@@ -86,10 +86,39 @@ def test_similarity_is_cosine_and_chunked_sums_chunks() -> None:
     sim = model_similarity([a, b], "model")
     assert sim[0, 1] == pytest.approx(1 / 2)  # <a,b> = 1, |a| = |b| = sqrt(2)
     assert sim[0, 0] == pytest.approx(1.0)
-    chunked = model_similarity([a, b], "chunked", chunk_size=1)  # cos(w) + cos(b) = 0 + 1
-    assert chunked[0, 1] == pytest.approx(1.0)
-    chunked2 = model_similarity([a, b], "chunked")  # one chunk of the two float tensors = the whole model
-    assert chunked2[0, 1] == pytest.approx(0.5)
+    chunked = model_similarity([a, b], "chunked", chunk_size=1)  # cos(w) + cos(b) + cos(n) = 0 + 1 + 1
+    assert chunked[0, 1] == pytest.approx(2.0)
+    chunked2 = model_similarity([a, b], "chunked")  # chunks (w, b) and (n): 1/2 + 1, each once
+    assert chunked2[0, 1] == pytest.approx(1.5)
+
+
+def test_chunked_similarity_is_the_authors_chunks_each_counted_once() -> None:
+    """Against a direct computation: every state_dict entry in order (BatchNorm's integer
+    counter too), two entries per chunk, the cosine of each chunk's concatenation, summed."""
+    import torch
+    from torch.nn import functional as F
+
+    nets = []
+    for seed in range(3):
+        torch.manual_seed(seed)
+        net = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.Flatten(), torch.nn.Linear(4, 3))
+        net[1].running_mean.uniform_(); net[1].num_batches_tracked.fill_(10 + seed)
+        nets.append({k: v.numpy() for k, v in net.state_dict().items()})
+    keys = list(nets[0])
+    assert any(nets[0][k].dtype == np.int64 for k in keys) and len(keys) % 2 == 1  # a lone last chunk too
+
+    def direct(i: int, j: int) -> float:
+        total = 0.0
+        for start in range(0, len(keys), 2):
+            vec = [torch.cat([torch.from_numpy(np.asarray(m[k], dtype=np.float64)).reshape(-1) for k in keys[start:start + 2]]) for m in (nets[i], nets[j])]
+            total += float(F.cosine_similarity(vec[0], vec[1], dim=0))
+        return total
+
+    sim = model_similarity(nets, "chunked")
+    for i in range(3):
+        for j in range(3):
+            if i != j:
+                assert sim[i, j] == pytest.approx(direct(i, j), rel=1e-9)
 
 
 def test_similarity_matches_flattened_cosine_on_random_models() -> None:

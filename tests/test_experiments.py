@@ -220,11 +220,16 @@ def test_fedmr_table_presets_are_their_tables_cells_at_the_papers_scale(table: s
             t = cfg["training"]
             assert (t["lr"], t["batch_size"], t["local_epochs"], t["lr_decay_rounds"]) == (0.01, 50, 5, [])
             assert cfg["partition"].get("min_samples", 100) == 100 and cfg["dataset"].get("label_type") in (None, "coarse")
+            if cfg["strategy"]["name"] == "fedmr" and cfg["strategy"]["partition_ratio"] is None:  # FedMR-100 for the deep models
+                first = cfg["strategy"]["first_stage_by_model"].get(cfg["model"]["name"], cfg["strategy"]["first_stage_rounds"])
+                assert first == (0 if cfg["model"]["name"] in ("lenet", "cnn") else 100)
+            if cfg["partition"]["name"] == "dirichlet":
+                assert cfg["partition"]["algorithm"] == "authors"
 
 
 def test_fedcross_table2_presets_are_its_rows_and_columns() -> None:
     maps = paper_maps(["model.char_lstm=LSTM", "model.sent_lstm=LSTM", "dataset.shakespeare=Shakespeare",
-                       "dataset.sent140=Sent140", "method.FedCross=FedCross"])
+                       "dataset.sent140=Sent140", "method.FedCross (chunked similarity)=FedCross"])
     cells = table_cells(("fedcross_table2_", "fedcross_shakespeare", "fedcross_sent140"), maps)
     rows = {s for s in PAPER_TABLES["kdd_table1"].values if s not in NO_VGG16_FEMNIST}  # FedMR's rows, as printed
     rows |= {Setting("LSTM", "Shakespeare", "natural"), Setting("LSTM", "Sent140", "natural")}
@@ -234,8 +239,11 @@ def test_fedcross_table2_presets_are_its_rows_and_columns() -> None:
         if name.startswith("fedcross_table2_"):
             assert cfg["num_rounds"] == (1000 if cfg["model"]["name"] == "vgg16" else 2000)
             assert cfg["training"]["momentum"] == 0.5 and cfg["training"]["local_epochs"] == 5
-            if cfg["strategy"]["name"] == "fedcross":
-                assert (cfg["strategy"]["alpha"], cfg["strategy"]["selection"]) == (0.99, "lowest-similarity")
+            if cfg["strategy"]["name"] == "fedcross":  # the authors' code: α, selection, chunked similarity
+                assert (cfg["strategy"]["alpha"], cfg["strategy"]["selection"], cfg["strategy"]["similarity"]) == (
+                    0.99, "lowest-similarity", "chunked")
+            if cfg["partition"]["name"] == "dirichlet":  # the authors' split
+                assert (cfg["partition"]["algorithm"], cfg["partition"]["min_partition_size"]) == ("authors", 10)
 
 
 def test_fedrl_presets_are_its_tables_columns_at_the_papers_scale() -> None:
@@ -417,7 +425,7 @@ def test_first_round_of_every_method_variant_of_any_grid(tiny_data: dict[str, Pa
         if variant not in cheapest or MODEL_COST[cfg["model"]["name"]] < MODEL_COST[cheapest[variant][2]["model"]["name"]]:
             cheapest[variant] = (name, point, cfg)
     labels = {method_label(cfg) for _, _, cfg in cheapest.values()}
-    assert {"FedAvg", "FedMR", "FedCross", "FedMR (first stage 20)", "SOLO", "FedRL", "MOON"} <= labels
+    assert {"FedAvg", "FedMR", "FedCross (chunked similarity)", "FedMR (first stage 20)", "SOLO", "FedRL", "MOON"} <= labels
     for name, point, cfg in cheapest.values():
         try:
             run_first_round(cfg, tiny_data, num_clients=3, per_round=2)

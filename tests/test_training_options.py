@@ -41,8 +41,11 @@ def test_local_steps_budget_and_drop_last() -> None:
     # 20 steps whatever the epochs: 7 passes of 3 batches, the last cut after 2
     assert sizes(TrainingSettings(batch_size=10, local_epochs=5, local_steps=20), 23) == [10, 10, 3] * 6 + [10, 10]
     assert sizes(TrainingSettings(batch_size=10, local_steps=5, drop_last=True), 23) == [10] * 5
-    # fewer rows than a batch with drop_last: no step, and no endless loop
-    assert sizes(TrainingSettings(batch_size=10, local_steps=5, drop_last=True), 7) == []
+    # fewer rows than a batch: drop_last keeps the only batch (no client without a step)
+    assert sizes(TrainingSettings(batch_size=10, local_steps=5, drop_last=True), 7) == [7] * 5
+    assert sizes(TrainingSettings(batch_size=10, local_epochs=2, drop_last=True), 7) == [7, 7]
+    assert sizes(TrainingSettings(batch_size=10, local_epochs=1), 0) == []  # no rows: no step, no endless loop
+    assert sizes(TrainingSettings(batch_size=10, local_steps=3), 0) == []
     # every pass is a fresh permutation: each row once per pass
     data = rows(23)
     seen = [y for _, y in local_batches(data, TrainingSettings(batch_size=10, local_steps=6), torch.Generator().manual_seed(1), torch.device("cpu"))]

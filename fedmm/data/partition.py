@@ -79,8 +79,56 @@ def _partitions(train: TensorData, spec: _PartitionSpec, num_partitions: int, se
     if spec.name == "iid":
         return _iid(labels, num_partitions, seed)
     if spec.name == "dirichlet":
+        if spec.algorithm == "authors":
+            return _Partitions(rows=authors_dirichlet(labels, num_partitions, spec.alpha, spec.min_partition_size, seed))
         return _dirichlet(labels, spec, num_partitions, seed)
+    if spec.name == "file":
+        from fedmm.data.partition_file import read_partition_file
+
+        return _Partitions(rows=read_partition_file(spec.path, len(labels), num_partitions))
     return _natural(labels, train.ids, spec, num_partitions, seed)
+
+
+def authors_dirichlet(labels: np.ndarray, num_clients: int, alpha: float, min_size: int, seed: int,
+                      draw: Any = None, max_attempts: int = 1000) -> list[np.ndarray]:
+    """The Dirichlet split of the FedMR / FedCross authors' repositories, step by step.
+
+    With a ``numpy.random.RandomState(seed)`` (their code seeds the global one the same way):
+    for each class in label order, shuffle its rows and draw proportions p ~ Dir(alpha) over the
+    clients; a client that already holds N / num_clients rows or more gets p = 0 (self-balancing;
+    it may overshoot within one class); renormalise, cut the class's rows at
+    ``int(cumsum(p) · n_class)`` and hand the pieces out. Repeat the whole split until every client
+    has ``min_size`` rows (their 10). Finally each client's rows are shuffled (their lists'
+    order; we return them sorted like every partition). ``draw(rng, class, sizes)``, for tests,
+    replaces the Dirichlet draw.
+    """
+    rng = np.random.RandomState(seed)
+    n = len(labels)
+    classes = np.unique(labels)
+    cap = n / num_clients
+    for _ in range(max_attempts):
+        parts: list[list[int]] = [[] for _ in range(num_clients)]
+        for k in classes:
+            rows = np.where(labels == k)[0]
+            rng.shuffle(rows)
+            sizes = np.array([len(p) for p in parts])
+            p = draw(rng, k, sizes) if draw is not None else rng.dirichlet(np.repeat(alpha, num_clients))
+            p = np.array([pj * (size < cap) for pj, size in zip(p, sizes)])
+            p = p / p.sum()
+            cuts = (np.cumsum(p) * len(rows)).astype(int)[:-1]
+            for j, piece in enumerate(np.split(rows, cuts)):
+                parts[j].extend(piece.tolist())
+        if min(len(p) for p in parts) >= min_size:
+            out = []
+            for part in parts:
+                rng.shuffle(part)
+                arr = np.sort(np.asarray(part, dtype=np.int64))
+                arr.setflags(write=False)
+                out.append(arr)
+            return out
+    raise ConfigError("partition.min_partition_size", min_size,
+                      f"a smaller value: no Dirichlet draw with alpha={alpha} in {max_attempts} gave every one of "
+                      f"the {num_clients} clients that many samples")
 
 
 @functools.lru_cache(maxsize=16)

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from fedmm.errors import ConfigError
-from fedmm.settings import Choice, Number, Settings, setting
+from fedmm.settings import Choice, Number, Settings, Str, setting
 
 NUM_CLIENTS_KEY = "num_clients"
 
@@ -26,7 +26,9 @@ TEXT_NAMES = ("shakespeare", "sent140")
 DATASET_NAMES = ("mnist5k", "cifar10", "cifar100", "femnist", "mnist", "fashion_mnist") + TEXT_NAMES
 EMBEDDED_NAMES = ("mnist5k",)
 SOURCES = ("embedded", "hf")
-PARTITION_NAMES = ("iid", "dirichlet", "natural")
+PARTITION_NAMES = ("iid", "dirichlet", "natural", "file")
+#: How a Dirichlet partition is drawn (``partition.algorithm``).
+DIRICHLET_ALGORITHMS = ("flwr", "authors")
 #: Number of classes of each CIFAR-100 label type.
 CIFAR100_LABEL_TYPES = {"coarse": 20, "fine": 100}
 
@@ -315,6 +317,8 @@ class _PartitionSpec:
     min_partition_size: int = 0
     self_balancing: bool = False
     min_samples: int = 0
+    algorithm: str = "flwr"
+    path: str = ""
 
 
 def _partition_spec(cfg: Mapping) -> _PartitionSpec:
@@ -335,7 +339,16 @@ def _partition_spec(cfg: Mapping) -> _PartitionSpec:
         balancing = _require(cfg, "self_balancing", "partition")
         if not isinstance(balancing, (bool, np.bool_)):
             raise ConfigError("partition.self_balancing", balancing, "true or false")
-        return _PartitionSpec(name, alpha=float(alpha), min_partition_size=int(min_size), self_balancing=bool(balancing))
+        algorithm = cfg.get("algorithm", "flwr")
+        if algorithm not in DIRICHLET_ALGORITHMS:
+            raise ConfigError("partition.algorithm", algorithm, ", ".join(DIRICHLET_ALGORITHMS))
+        return _PartitionSpec(name, alpha=float(alpha), min_partition_size=int(min_size), self_balancing=bool(balancing),
+                              algorithm=str(algorithm))
+    if name == "file":
+        path = _require(cfg, "path", "partition")
+        if not isinstance(path, (str, os.PathLike)) or not str(path):
+            raise ConfigError("partition.path", path, "the path of a partition file (JSON: client id -> row indices)")
+        return _PartitionSpec(name, path=os.path.expanduser(os.fspath(path)))
     min_samples = _require(cfg, "min_samples", "partition")
     if not _is_int(min_samples) or min_samples < 0:
         raise ConfigError("partition.min_samples", min_samples, "an integer >= 0")
@@ -512,7 +525,26 @@ class DirichletSettings(IidSettings):
     option = "dirichlet"
     alpha: float = setting(0.5, help="concentration (0.1: strong skew, 0.5, 1.0)", paper="0.1, 0.5, 1.0")
     min_partition_size: int = setting(10, help="redraw until every client has at least this many rows")
-    self_balancing: bool = setting(False, help="stop giving a client rows of a class once it holds its share")
+    self_balancing: bool = setting(False, help="stop giving a client rows of a class once it holds its share "
+                                   "(algorithm authors: always on)")
+    algorithm: str = setting("flwr", Choice(*DIRICHLET_ALGORITHMS),
+                             "flwr: flwr-datasets' DirichletPartitioner | authors: the FedMR / FedCross repositories' "
+                             "split (a fresh draw per class, a client holding N/num_clients rows gets no more; "
+                             "redrawn until every client has min_partition_size rows)",
+                             paper="authors (min_partition_size 10, seed 1: their partition files)")
+
+    #: Declared after runs were made: the value that reproduces those runs.
+    added = {"algorithm": "flwr"}
+
+
+@dataclass
+class FileSettings(IidSettings):
+    """The partition a file states: client id -> row indices of the training split
+    (docs/reproduce.md, "Partition files"); written by ``python -m fedmm.data.partition_file``
+    or any other framework."""
+
+    option = "file"
+    path: str = setting("???", Str(), "the partition file (JSON)")
 
 
 @dataclass
