@@ -500,6 +500,51 @@ def histograms(run_dirs: Sequence[Path | str], out: Path | None = None) -> list[
     return found
 
 
+# ====================================================================== per-model curves
+def model_series(rows: Sequence[Mapping[str, Any]]) -> dict[str, list[float]]:
+    """Rounds, the global accuracy and each tracked model's own (``model_<i>_accuracy``) of the
+    rows that carry them (a run with ``strategy.track_models``: Indep)."""
+    kept = [r for r in rows if "model_0_accuracy" in r]
+    series: dict[str, list[float]] = {"round": [int(r["round"]) for r in kept], "accuracy": [r["accuracy"] for r in kept]}
+    count = max((int(k.split("_")[1]) + 1 for r in kept for k in r if k.startswith("model_") and k.endswith("_accuracy")), default=0)
+    for i in range(count):
+        series[f"model_{i}_accuracy"] = [r.get(f"model_{i}_accuracy") for r in kept]
+    return series
+
+
+def plot_models(run_dir: Path | str, out: Path, models: Sequence[int] | None = None) -> dict[str, Any]:
+    """Each tracked model's test accuracy over rounds beside the global (mean) model's (KDD Fig. 5
+    plots four of Indep's K models); write ``out`` (PNG) and the numbers (``.json``)."""
+    from analysis.report import method_label
+
+    run = read_run(run_dir)
+    series = model_series(run["rows"])
+    if not series["round"]:
+        raise SystemExit(f"{run_dir}: no model_<i>_accuracy in metrics.jsonl (run with strategy.track_models=true, e.g. strategy=indep)")
+    available = sorted(int(k.split("_")[1]) for k in series if k.startswith("model_"))
+    chosen = list(models) if models else available
+    missing = [i for i in chosen if i not in available]
+    if missing:
+        raise SystemExit(f"models {missing} not tracked; the run has models {available[0]}..{available[-1]}")
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i in chosen:
+        ax.plot(series["round"], [100 * v for v in series[f"model_{i}_accuracy"]], linewidth=1, label=f"model {i}")
+    ax.plot(series["round"], [100 * v for v in series["accuracy"]], color="black", linewidth=2, label="global (mean of the K)")
+    ax.set_xlabel("round")
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_title(f"Each model on its own: {method_label(run['cfg']) if run['cfg'] else run['dir'].name}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    data = {"dir": str(run["dir"]), **{k: v for k, v in series.items() if k in ("round", "accuracy") or int(k.split("_")[1]) in chosen}}
+    write_json(out.with_suffix(".json"), data)
+    return data
+
+
 # ====================================================================== command line
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m analysis.figures", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -526,6 +571,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     land.add_argument("--batch-size", type=int, default=500)
     land.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, ...")
 
+    per_model = sub.add_parser("models", help="each of the K models' own accuracy over rounds (a run with strategy.track_models)")
+    per_model.add_argument("run_dir", type=Path)
+    per_model.add_argument("--out", type=Path, required=True, help="PNG to write (the numbers go to the same name .json)")
+    per_model.add_argument("--models", type=int, nargs="+", default=None, help="which models (default: all tracked)")
+
     hist = sub.add_parser("histograms", help="the runs' label histograms (drawn by every run)")
     hist.add_argument("run_dirs", nargs="+", type=Path)
     hist.add_argument("--out", type=Path, default=None, help="folder to collect them into")
@@ -550,6 +600,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for m in result["models"]:
             print(f"model {m['model']}: loss {m['loss']:.4f}  accuracy {100 * m['accuracy']:.2f}%")
         print(f"{result['evaluations']} evaluations on {result['examples']} examples; wrote {args.out} and {args.out.with_suffix('.json')}")
+    elif args.command == "models":
+        data = plot_models(args.run_dir, args.out, args.models)
+        print(f"{len(data['round'])} rounds; wrote {args.out} and {args.out.with_suffix('.json')}")
     else:
         for path in histograms(args.run_dirs, args.out):
             print(path)

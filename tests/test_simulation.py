@@ -299,8 +299,13 @@ def test_indep_records_each_models_accuracy_in_a_real_run(tmp_path: Path) -> Non
         "strategy=indep", "num_rounds=1", "num_clients=3", "clients_per_round=3", "training.local_epochs=1",
         f"output_dir={tmp_path / 'run'}",
     ]))
-    rows = read_metrics(run_job(cfg))
+    run = run_job(cfg)
+    rows = read_metrics(run)
     assert "model_0_accuracy" not in rows[0]  # round 0: one initial model
     per_model = [rows[1][f"model_{i}_accuracy"] for i in range(3)]
     assert all(0.0 <= a <= 1.0 for a in per_model) and "model_3_accuracy" not in rows[1]
     assert len(set(per_model)) > 1  # three models trained on different clients
+    from analysis.figures import plot_models  # KDD Fig. 5: the curves of each model
+
+    data = plot_models(run, tmp_path / "models.png")
+    assert (tmp_path / "models.png").stat().st_size > 0 and data["model_2_accuracy"] == [per_model[2]]
