@@ -302,7 +302,7 @@ def decode_train_reply(
     """
     node = reply.metadata.src_node_id
     if reply.has_error():
-        return None, f"client error: {client_error(reply.error.reason)}"
+        return None, f"client error: {printable(client_error(reply.error.reason), 500)}"
     records = reply.content.array_records
     extra_specs = dict(extra_specs or {})
     if ARRAYS in records:
@@ -318,7 +318,7 @@ def decode_train_reply(
         model = record_to_model(model_record, consume=consume, copy=copy)
         extras = {name: record_to_model(records[name], consume=consume, copy=copy) for name in extra_specs}
     except Exception as err:  # malformed bytes from a client must not stop the server
-        return None, f"arrays could not be decoded: {err}"
+        return None, f"arrays could not be decoded: {printable(str(err))}"
     reason = check_arrays(model, spec)
     if reason:
         return None, reason
@@ -335,6 +335,50 @@ def decode_train_reply(
 
 #: The largest ``num-examples`` a reply may report (a count of examples, not a weight to game).
 MAX_NUM_EXAMPLES = 2**31 - 1
+#: The longest stable node key a roster reply may carry (a partition id or a data path).
+MAX_NODE_KEY = 256
+
+
+def example_count(value: Any) -> int | None:
+    """``value`` as a count of examples (a whole number in [1, MAX_NUM_EXAMPLES]), or None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        return None
+    if not math.isfinite(value) or value < 1 or value > MAX_NUM_EXAMPLES or value != int(value):
+        return None
+    return int(value)
+
+
+def read_roster(reply: Message) -> tuple[str | None, int | None, str]:
+    """(stable key, example count, why the reply is malformed or "") of a roster reply; a bad
+    field is None and named in the reason, which is safe to log (:func:`printable`)."""
+    try:
+        record = reply.content.config_records.get(ROSTER)
+        if record is None:
+            record = next(iter(reply.content.config_records.values()), None)
+    except Exception as err:  # noqa: BLE001 - whatever a node sends
+        return None, None, f"unreadable roster reply ({printable(str(err))})"
+    if record is None:
+        return None, None, "no roster record"
+    key: str | None = None
+    count: int | None = None
+    problems: list[str] = []
+    if NODE_KEY in record:
+        value = record[NODE_KEY]
+        if isinstance(value, str) and 0 < len(value) <= MAX_NODE_KEY and value.isprintable():
+            key = value
+        else:
+            problems.append(f"{NODE_KEY}={printable(repr(value))} is not a printable string of 1 to {MAX_NODE_KEY} characters")
+    if NUM_EXAMPLES in record:
+        count = example_count(record[NUM_EXAMPLES])
+        if count is None:
+            problems.append(f"{NUM_EXAMPLES}={printable(repr(record[NUM_EXAMPLES]))} is not a count of examples")
+    return key, count, "; ".join(problems)
+
+
+def printable(text: str, limit: int = 200) -> str:
+    """``text`` safe for one log line: control characters escaped, at most ``limit`` characters."""
+    escaped = text.encode("unicode_escape", "backslashreplace").decode("ascii")
+    return escaped if len(escaped) <= limit else escaped[: limit - 3] + "..."
 
 
 def check_metrics(metrics: Mapping[str, float]) -> str:
@@ -342,12 +386,27 @@ def check_metrics(metrics: Mapping[str, float]) -> str:
     number in [1, 2**31 - 1] (it weighs the client's model), every metric finite."""
     for key, value in metrics.items():
         if not math.isfinite(value):
-            return f"metric {key}={value} is not finite"
+            return f"metric {printable(key)}={value} is not finite"
     if NUM_EXAMPLES not in metrics:
         return f"no {NUM_EXAMPLES} in the reply's metrics"
     n = metrics[NUM_EXAMPLES]
     if n < 1 or n > MAX_NUM_EXAMPLES or n != int(n):
         return f"{NUM_EXAMPLES}={n!r} is not a count of examples (a whole number from 1 to {MAX_NUM_EXAMPLES})"
+    return ""
+
+
+def check_evaluate_metrics(metrics: Mapping[str, float]) -> str:
+    """Why an evaluate reply's metrics are unusable, or ``""``: every metric finite,
+    ``num-examples`` a count, ``accuracy`` in [0, 1] and ``loss`` >= 0 where present."""
+    for key, value in metrics.items():
+        if not math.isfinite(value):
+            return f"metric {printable(key)}={value} is not finite"
+    if example_count(metrics.get(NUM_EXAMPLES)) is None:
+        return f"{NUM_EXAMPLES}={metrics.get(NUM_EXAMPLES)!r} is not a count of examples"
+    if "accuracy" in metrics and not 0.0 <= metrics["accuracy"] <= 1.0:
+        return f"accuracy={metrics['accuracy']!r} is not in [0, 1]"
+    if "loss" in metrics and metrics["loss"] < 0:
+        return f"loss={metrics['loss']!r} is negative"
     return ""
 
 

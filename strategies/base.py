@@ -441,8 +441,22 @@ class RoundLoopStrategy(Strategy):
         return [protocol.server_message(protocol.EVALUATE, n, node_config, arrays) for n in node_ids]
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        """Example-weighted mean of the metrics of the evaluate replies that carry no error."""
-        valid = [protocol.reply_metrics(r) for r in replies if not r.has_error()]
+        """Example-weighted mean of the metrics of the valid evaluate replies (no error, every
+        metric finite, ``num-examples`` a count, ``accuracy`` in [0, 1], ``loss`` >= 0); each
+        rejected reply is logged with its node and reason."""
+        valid = []
+        for reply in replies:
+            node = reply.metadata.src_node_id
+            if reply.has_error():
+                log(WARNING, "round %d: evaluate reply of node %s rejected: client error: %s", server_round, node,
+                    protocol.printable(protocol.client_error(reply.error.reason)))
+                continue
+            metrics = protocol.reply_metrics(reply)
+            reason = protocol.check_evaluate_metrics(metrics)
+            if reason:
+                log(WARNING, "round %d: evaluate reply of node %s rejected: %s", server_round, node, reason)
+                continue
+            valid.append(metrics)
         return MetricRecord(protocol.weighted_metrics(valid)) if valid else None
 
     def summary(self) -> None:

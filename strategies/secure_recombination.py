@@ -271,14 +271,25 @@ class SecureRecombination:
         replies = self._send(rnd, [self._message(rnd, protocol.SECURE_KEYS, node, secure, with_model=True) for node in rnd.alive])
         for node, reply in replies.items():
             try:
-                key = bytes(reply.content[protocol.SECURE][protocol.SECURE_PUBLIC_KEY])
-            except (KeyError, TypeError) as err:
-                rnd.drop(node, f"no public key in the reply ({err})")
+                value = reply.content[protocol.SECURE][protocol.SECURE_PUBLIC_KEY]
+                if not isinstance(value, bytes):
+                    raise TypeError(f"a {type(value).__name__}, not bytes")
+                key = bytes(value)
+            except Exception as err:  # noqa: BLE001 - whatever a node sends, the round goes on
+                rnd.drop(node, f"no public key in the reply ({protocol.printable(str(err))})")
                 continue
             if len(key) != 32:
                 rnd.drop(node, f"a public key of {len(key)} bytes, not 32")
                 continue
             rnd.keys[node] = key
+        shared: dict[bytes, list[int]] = {}
+        for node, key in rnd.keys.items():
+            shared.setdefault(key, []).append(node)
+        for key, nodes in shared.items():  # one key for two nodes: one of them may read the other's layers
+            if len(nodes) > 1:
+                for node in nodes:
+                    del rnd.keys[node]
+                    rnd.drop(node, f"the same public key as node(s) {[n for n in nodes if n != node]}")
 
     def _exchange(self, rnd: _Round, exchange: str, closes_with_upload: bool) -> None:
         attempt = 0
@@ -351,12 +362,15 @@ class SecureRecombination:
                         raise ValueError(f"receiver {dst} is not another participant")
                     if array.dtype != "uint8" or len(array.shape) != 1 or array.shape[0] not in sizes:
                         raise ValueError(f"a ciphertext of shape {array.shape} and dtype {array.dtype} is no sealed layer")
+                    real = protocol.decode_array(array).size
+                    if real != array.shape[0]:
+                        raise ValueError(f"a ciphertext declared as {array.shape[0]} bytes holds {real}")
                 if expected is not None:
                     owed = expected.get(node, {})
                     if _counts([(d, 0, None) for d in dsts]) != owed:
                         raise ValueError(f"returned {len(dsts)} layers for the {sum(owed.values())} it received")
-            except (KeyError, TypeError, ValueError) as err:
-                rnd.drop(node, f"malformed secure-recombination reply: {err}")
+            except Exception as err:  # noqa: BLE001 - whatever a node sends, the round goes on
+                rnd.drop(node, f"malformed secure-recombination reply: {protocol.printable(str(err))}")
                 continue
             for dst, seq, array in zip(dsts, seqs, arrays):
                 routed[dst].append((node, seq, array))

@@ -149,13 +149,16 @@ class SeededRosterSelector(ClientSelector):
         errors: list[str] = []
         for reply in grid.send_and_receive(messages, timeout=self.timeout):
             if reply.has_error():
-                errors.append(f"node {reply.metadata.src_node_id}: {reply.error.reason}")
+                errors.append(f"node {reply.metadata.src_node_id}: {protocol.printable(protocol.client_error(reply.error.reason))}")
                 continue
-            record = next(iter(reply.content.config_records.values()), {})
-            if protocol.NODE_KEY in record:
-                keys[reply.metadata.src_node_id] = str(record[protocol.NODE_KEY])
-            if protocol.NUM_EXAMPLES in record:
-                self._examples[reply.metadata.src_node_id] = int(record[protocol.NUM_EXAMPLES])
+            node = reply.metadata.src_node_id
+            key, examples, reason = protocol.read_roster(reply)
+            if reason:  # a malformed roster reply: the node keeps its id order, the round goes on
+                errors.append(f"node {node}: {reason}")
+            if key is not None:
+                keys[node] = key
+            if examples is not None:
+                self._examples[node] = examples
         return keys, errors
 
     def num_examples(self, node_id: int) -> int | None:
