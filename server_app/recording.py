@@ -30,12 +30,25 @@ def run_dir_name(cfg: Any) -> str:
     return f"{stamp}_{method}_{cfg.dataset.name}_{cfg.partition.name}_s{cfg.seed}"
 
 
+def _ours_before_start(entry: Path) -> bool:
+    """What may be in a run directory before the run starts: hydra's job files (``.hydra/``,
+    the job's log), a lock or a previous attempt's files that hold no result (a run that
+    stopped before its first metrics line)."""
+    return entry.name in (".hydra", "config.yaml", "summary.json", ".fedmm.lock") or entry.suffix == ".log"
+
+
 def create_run_dir(cfg: Any) -> Path:
     """Create the run's directory (absolute). Never reuses a directory that holds a run."""
     if cfg.output_dir:
         path = Path(os.path.expanduser(str(cfg.output_dir))).resolve()
         if (path / METRICS_FILE).exists():
             raise ConfigError("output_dir", str(path), "a directory that does not already hold a run's metrics.jsonl (to continue that run: resume=<dir>)")
+        if path.exists() and not path.is_dir():
+            raise ConfigError("output_dir", str(path), "a directory (this is a file)")
+        foreign = sorted(p.name for p in path.iterdir() if not _ours_before_start(p)) if path.is_dir() else []
+        if foreign:
+            raise ConfigError("output_dir", str(path), f"a new or empty directory (it holds {foreign[0]!r}"
+                              f"{f' and {len(foreign) - 1} more' if len(foreign) > 1 else ''}: a run writes and replaces files there)")
         path.mkdir(parents=True, exist_ok=True)
         return path
     root = Path(os.path.expanduser(str(cfg.results_root))).resolve()
@@ -213,6 +226,7 @@ class RunRecorder:
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole numbers
         fig.suptitle(title)
         fig.tight_layout()
-        fig.savefig(out, dpi=100)
+        with atomic_file(Path(out), "wb") as f:
+            fig.savefig(f, dpi=100, format="png")
         plt.close(fig)
         return out

@@ -31,7 +31,7 @@ from fedmm.evaluation import resolve_device
 from fedmm.interrupt import raise_if_stopped
 from fedmm.models import model_for
 from server_app.checkpoint import load_checkpoint, restore_rng_states, rng_states, save_checkpoint
-from server_app.recording import RunLock, RunRecorder, create_run_dir
+from server_app.recording import RunLock, RunRecorder, atomic_file, create_run_dir
 from strategies import build_strategy
 from strategies.base import exchange
 from strategies.multimodel import MultiModelStrategy
@@ -293,10 +293,12 @@ def _run_locked(grid: Grid, cfg: RunSettings, run_dir: Path, checkpoint: dict[st
         if recorder.federated:
             recorder.write_json("federated_evaluation.json", {str(r): m for r, m in sorted(recorder.federated.items())})
         final = result.arrays if len(result.arrays) else ArrayRecord(model.state_dict())
-        torch.save(final.to_torch_state_dict(), run_dir / "final_model.pt")
+        with atomic_file(run_dir / "final_model.pt", "wb") as f:  # never half-written
+            torch.save(final.to_torch_state_dict(), f)
         if isinstance(strategy, MultiModelStrategy):
             pool = strategy.pool()
-            np.savez(run_dir / "final_models.npz", **{f"{i}/{k}": v for i, m in enumerate(pool) for k, v in m.items()})
+            with atomic_file(run_dir / "final_models.npz", "wb") as f:
+                np.savez(f, **{f"{i}/{k}": v for i, m in enumerate(pool) for k, v in m.items()})
         status = {"status": "completed"}
     except KeyboardInterrupt:
         status = {"status": "interrupted", "reason": f"interrupted after round {last['round']} (resume=<this run dir> continues it)"}

@@ -269,7 +269,9 @@ class ClusteredSelector(SeededRosterSelector):
             "grad_keys": keys,
             "grads": self._grads_for(keys) if keys else None,
             "matrix_keys": list(self._matrix_keys) if self.mode == "fedmr_port" else [],
-            "matrix": self._matrix if self.mode == "fedmr_port" else None,
+            # a copy: the next round updates the matrix in place (an interrupt checkpoint must
+            # hold this round's matrix, not a mix of two)
+            "matrix": None if self.mode != "fedmr_port" or self._matrix is None else np.array(self._matrix, copy=True),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -27,6 +27,8 @@ stepped per round, batch 32, noise 64, the clients' α/β decaying by 0.98 per r
 
 from __future__ import annotations
 
+import copy
+
 from collections.abc import Mapping
 from dataclasses import dataclass
 from logging import INFO
@@ -189,8 +191,10 @@ class FedGen(FedAvg):
         return {
             **super().state_dict(),
             "generator": {k: v.detach().clone() for k, v in self.generator.state_dict().items()},
-            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
-            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            # copies: the next round steps the optimizer in place, and an interrupt checkpoint
+            # taken then must hold this round's state, not a mix of two
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()) if self.optimizer is not None else None,
+            "scheduler": copy.deepcopy(self.scheduler.state_dict()) if self.scheduler is not None else None,
             "num_classes": self.num_classes,
         }
 

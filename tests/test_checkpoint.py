@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -116,3 +117,64 @@ def test_the_certificate_script_refuses_weak_keys_and_empty_lifetimes(tmp_path: 
     proc = subprocess.run(["bash", str(script), "--out", str(tmp_path / "certs"), *args], capture_output=True, text=True)
     assert proc.returncode == 2 and message in proc.stderr
     assert not (tmp_path / "certs").exists()
+
+
+class _Boom:
+    def __reduce__(self):  # what a crafted checkpoint carries: code run when unpickled
+        return (os.system, ("touch PWNED",))
+
+
+def test_a_crafted_checkpoint_is_refused_not_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from fedmm.errors import ConfigError
+
+    torch.save({"version": 2, "round": 1, "payload": _Boom()}, tmp_path / "checkpoint.pt")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match="resume"):
+        load_checkpoint(tmp_path)
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_every_checkpointed_value_round_trips(tmp_path: Path) -> None:
+    import random
+
+    from server_app.checkpoint import rng_states
+
+    shared = {"w": np.arange(4, dtype=np.uint32)}
+    payload = {"round": 3, "rng": rng_states(), "models": [shared, shared], "t": (1, "a", None, b"x"),
+               "scalars": np.float32(1.5), 3: [np.zeros((0, 2), np.float16), np.array(True)]}
+    save_checkpoint(tmp_path, payload)
+    back = load_checkpoint(tmp_path)
+    assert back["models"][0] is back["models"][1] and back["models"][0]["w"].dtype == np.uint32
+    assert back["t"] == (1, "a", None, b"x") and back["scalars"] == 1.5 and back[3][0].shape == (0, 2)
+    random.setstate(back["rng"]["python"])  # the RNG states are usable as they were
+    np.random.set_state(back["rng"]["numpy"])
+    with pytest.raises(TypeError, match="checkpoint.bad"):
+        save_checkpoint(tmp_path, {"bad": object()})
+
+
+def test_output_dir_is_new_empty_or_hydras_never_a_folder_with_other_files(tmp_path: Path) -> None:
+    from fedmm.config import compose
+    from fedmm.errors import ConfigError
+    from server_app.recording import create_run_dir
+
+    def run_dir(path: Path) -> Path:
+        return create_run_dir(compose([f"output_dir={path}"]))
+
+    assert run_dir(tmp_path / "new").is_dir()
+    (tmp_path / "hydra_job" / ".hydra").mkdir(parents=True)  # what a multirun job dir holds at start
+    (tmp_path / "hydra_job" / "main.log").write_text("")
+    assert run_dir(tmp_path / "hydra_job").is_dir()
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "config.yaml").write_text("x: 1")
+    (tmp_path / "conf" / "strategy").mkdir()
+    with pytest.raises(ConfigError, match="'strategy'"):  # e.g. output_dir=conf/
+        run_dir(tmp_path / "conf")
+    (tmp_path / "done").mkdir()
+    (tmp_path / "done" / "metrics.jsonl").write_text('{"round": 0}\n')
+    with pytest.raises(ConfigError, match="resume"):  # a run directory is never reused
+        run_dir(tmp_path / "done")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match="a directory"):
+        run_dir(tmp_path / "file")

@@ -426,14 +426,16 @@ def test_a_partial_or_corrupted_cifar_folder_is_refused_naming_the_file(tmp_path
         D.load_dataset(dataset_cfg("cifar10", path=str(root)))
     assert info.value.key == "dataset.path" and "data_batch_3 fails its md5 check" in str(info.value)
     assert "(and 1 more)" in str(info.value) and "dataset.allow_partial=true" in str(info.value)
-    # allow_partial reads what is there; the truncated file still cannot be read, and says so
-    with pytest.raises(ConfigError) as info:
-        D.load_dataset(dataset_cfg("cifar10", path=str(root), allow_partial=True))
-    assert "data_batch_3" in str(info.value.value) and "readable CIFAR batch" in str(info.value)
-    (root / "data_batch_3").unlink()
+    # allow_partial reads the intact files only: the one that fails its md5 is never unpickled
+    import pickle
+
+    (root / "data_batch_3").write_bytes(pickle.dumps(__import__("os").system))  # altered: code when unpickled
+    read = []
+    monkeypatch.setattr(pickle, "load", lambda f, **kw: read.append(f.name) or pickle.loads(f.read(), **kw))
     with pytest.warns(UserWarning, match="loaded 12 of 50,000 training and 3 of 10,000 test images"):
         train, test = D.load_dataset(dataset_cfg("cifar10", path=str(root), allow_partial=True))
     assert len(train) == 12 and len(test) == 3
+    assert not any(name.endswith("data_batch_3") for name in read)
 
 
 def test_a_folder_of_no_known_format_is_a_config_error_before_any_run(tmp_path):

@@ -148,3 +148,19 @@ def test_presets_and_config_rules() -> None:
         compose(["strategy=fedgen", "objective=ce"])
     with pytest.raises(ConfigError, match="strategy=fedgen"):
         compose(["objective=fedgen"])
+
+
+def test_a_saved_state_is_not_changed_by_the_next_rounds_steps() -> None:
+    """An interrupt checkpoint holds the state of the last completed round: the persistent
+    optimizer's moments in a state taken after round 1 stay as they were while round 2 trains."""
+    strategy = build_strategy(fedgen_cfg("strategy=fedgen_original"))
+    torch.manual_seed(0)
+    model = build_model("cnn", InputSpec(kind="image", num_classes=10, shape=(1, 28, 28)))
+    initial = {k: v.numpy().copy() for k, v in model.state_dict().items()}
+    strategy.initialize(initial)
+    counts = np.array([[50, 0, 3, 0, 0, 0, 0, 0, 0, 0], [0, 40, 2, 0, 0, 0, 0, 0, 0, 9]])
+    strategy.train_generator(1, [initial, initial], counts)
+    saved = strategy.state_dict()
+    moments = {k: v["exp_avg"].clone() for k, v in saved["optimizer"]["state"].items()}
+    strategy.train_generator(2, [initial, initial], counts)
+    assert all(torch.equal(saved["optimizer"]["state"][k]["exp_avg"], m) for k, m in moments.items())

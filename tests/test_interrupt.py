@@ -16,9 +16,9 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 
 from fedmm.results import read_metrics
+from server_app.checkpoint import load_checkpoint
 from tests.conftest import pids_mentioning
 
 BIN = Path(sys.executable).parent
@@ -45,6 +45,6 @@ def test_sigterm_stops_within_seconds_with_a_checkpoint(tmp_path: Path, ray_env:
     summary = json.loads((run / "summary.json").read_text())
     done = summary["rounds_completed"]
     assert summary["status"] == "interrupted" and done >= 1
-    checkpoint = torch.load(run / "checkpoint.pt", weights_only=False)
+    checkpoint = load_checkpoint(run)
     assert checkpoint["round"] == done and [r["round"] for r in checkpoint["metrics"]] == list(range(done + 1))
     assert [r["round"] for r in read_metrics(run)] == list(range(done + 1))

@@ -164,7 +164,8 @@ def _verified_cifar_files(root: Path, which: str, spec: _DatasetSpec) -> tuple[l
     """The train and test files of a CIFAR folder, checked against torchvision's md5 sums.
 
     A missing file or one that fails its md5 check is refused, naming the file, unless
-    ``dataset.allow_partial`` is true: then the files that are there are used.
+    ``dataset.allow_partial`` is true: then the intact files are used (a file that fails its md5
+    check is never read: CIFAR's batches are pickles, and an altered one could run code).
     """
     from torchvision.datasets import CIFAR10, CIFAR100
     from torchvision.datasets.utils import check_integrity
@@ -178,8 +179,9 @@ def _verified_cifar_files(root: Path, which: str, spec: _DatasetSpec) -> tuple[l
             if not path.is_file():
                 problems.append(f"{path} is missing")
                 continue
-            if not check_integrity(str(path), md5):
+            if not check_integrity(str(path), md5):  # never unpickled, even with allow_partial
                 problems.append(f"{path} fails its md5 check (truncated or altered; expected {md5})")
+                continue
             files[split].append(path)
     if problems and not spec.allow_partial:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
