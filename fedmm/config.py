@@ -451,7 +451,7 @@ def resume_config(run_dir: str | os.PathLike, changes: Mapping[str, Any] | Seque
             if isinstance(values, dict):
                 declared = options(group)
                 cls = declared.get("default") if group in RUN_GROUPS else declared.get(values.get("name"))
-                for key, value in (cls.added if cls else {}).items():
+                for key, value in (cls.all_added() if cls else {}).items():
                     values.setdefault(key, copy.deepcopy(value))
     items = list(changes.items()) if isinstance(changes, Mapping) else [_split_override(o) for o in changes]
     for key, value in items:

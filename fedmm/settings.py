@@ -230,6 +230,14 @@ class Settings:
 
     # ------------------------------------------------------------------ schema
     @classmethod
+    def all_added(cls) -> dict[str, Any]:
+        """``added`` of this declaration and every one it extends (a subclass adds its own)."""
+        out: dict[str, Any] = {}
+        for klass in reversed(cls.__mro__):
+            out.update(klass.__dict__.get("added", {}))
+        return out
+
+    @classmethod
     def settings_fields(cls) -> list[dataclasses.Field]:
         return [f for f in fields(cls) if f.init]
 
@@ -257,8 +265,8 @@ class Settings:
         for name, f in declared.items():
             if name in values:
                 value = values[name]
-            elif name in cls.added:
-                value = copy.deepcopy(cls.added[name])
+            elif name in cls.all_added():
+                value = copy.deepcopy(cls.all_added()[name])
             else:
                 raise ConfigError(f"{prefix}{name}", None, f"a value (the key is missing; {f.metadata.get('rule', AnyValue()).allowed})")
             nested = _nested_class(f)

@@ -37,7 +37,7 @@ from fedmm import protocol
 from fedmm.interrupt import STOP, raise_if_stopped
 from fedmm.errors import ConfigError
 from fedmm.protocol import ClientUpdate, ModelDict
-from fedmm.settings import Number, Settings, setting
+from fedmm.settings import Int, Nullable, Number, Settings, setting
 from strategies.selection import ClientSelector, SeededRosterSelector
 
 #: Seconds between two pulls while replies are outstanding (a reply waits at most this long
@@ -102,6 +102,13 @@ class StrategySettings(Settings):
     weighs_replies: ClassVar[bool] = False
     fraction_evaluate: float = setting(0.0, Number(ge=0.0, le=1.0),
                                        "share of the connected nodes that evaluate the global model each round")
+    max_num_examples: int | None = setting(None, Nullable(Int(min=1), "null (2**31 - 1) or an integer >= 1"),
+                                           "the largest num-examples a train reply may report for a node whose size "
+                                           "the roster did not report (a reply above the node's roster size is always "
+                                           "rejected): bounds one client's share of an example-weighted mean")
+
+    #: Declared after runs were made: the values that reproduce those runs.
+    added = {"max_num_examples": None}
 
     def check(self, run: Any) -> None:
         """Clients evaluate on rows they never train on: fraction_evaluate > 0 needs a held-out part."""
@@ -369,7 +376,20 @@ class RoundLoopStrategy(Strategy):
         if any(u.slot == slot for u in self._round_updates):
             self._round_rejected.append(f"{where}: duplicate reply")
             return
+        bound, source = self.examples_bound(node)
+        if bound is not None and update.num_examples > bound:
+            self._round_rejected.append(f"{where}: {protocol.NUM_EXAMPLES}={update.num_examples:.0f} exceeds {source} ({bound})")
+            return
         self._round_updates.append(update)
+
+    def examples_bound(self, node_id: int) -> tuple[int | None, str]:
+        """The largest ``num-examples`` a reply of ``node_id`` may report, and where it comes
+        from: the node's size in the roster, else ``max_num_examples``."""
+        reported = getattr(self.selector, "num_examples", lambda _n: None)(node_id)
+        if reported is not None:
+            return int(reported), "the size the node reported in the roster"
+        cap = getattr(self.settings, "max_num_examples", None)
+        return (int(cap), "strategy.max_num_examples") if cap is not None else (None, "")
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]

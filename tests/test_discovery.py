@@ -83,7 +83,7 @@ def install_method_package(site: Path) -> None:
 def test_every_option_of_this_project_is_declared_and_found() -> None:
     assert {"fedavg", "fedmr", "fedcross", "fedmut", "fedexp", "solo", "scaffold", "fedgen", "feddyn"} <= set(options("strategy"))
     assert {"ce", "fedprox", "fedrl", "asam", "scaffold", "moon", "fedgen", "feddyn"} <= set(options("objective"))
-    assert set(options("selection")) >= {"uniform", "clustered"} and set(options("partition")) == {"iid", "dirichlet", "natural"}
+    assert set(options("selection")) >= {"uniform", "clustered"} and set(options("partition")) == {"iid", "dirichlet", "natural", "file"}
     assert "indep" in group_options("strategy")  # presets are options too
 
 
@@ -105,7 +105,7 @@ def test_a_method_in_an_installed_package_is_found_and_runs(tmp_path: Path) -> N
     assert found.returncode == 0, found.stderr[-3000:]
     seen = json.loads(found.stdout.strip().splitlines()[-1])
     assert "halfway" in seen["strategies"] and seen["class"] == "Halfway" and seen["step"] == 0.25
-    assert seen["objective"] == {"name": "logit_penalty", "weight": 0.01}
+    assert seen["objective"] == {"name": "logit_penalty", "training": {}, "weight": 0.01}
     job = subprocess.run(
         [sys.executable, "-m", "launch", "strategy=halfway", "num_rounds=2", "num_clients=3", "clients_per_round=2",
          "training.local_epochs=1", "checkpoint_every=0", f"output_dir={out}", f"hydra.run.dir={out}"],

@@ -222,3 +222,31 @@ def test_secure_phase_replies(action: str, field: str, value: object) -> None:
     strategy.run_round(1, grid, protocol.model_to_record(base), config, timeout=10)  # never raises
     assert strategy.last_replies <= 4
     assert client_secure  # the real client handlers answered the other nodes
+
+
+# ----------------------------------------------------------------------------- bounded influence
+@pytest.mark.parametrize("source", ["roster", "cap"])
+def test_a_reply_may_not_claim_more_examples_than_its_node_has(source: str) -> None:
+    """A reply's num-examples weighs its model in the mean: above the node's roster size (or the
+    configured cap) it is rejected, whatever the method."""
+    from fedmm.config import compose
+    from strategies import build_strategy
+    from strategies.selection import SeededRosterSelector
+
+    overrides = ["num_clients=3", "clients_per_round=3"] + (["strategy.max_num_examples=50"] if source == "cap" else [])
+    strategy = build_strategy(compose(overrides))
+    if source == "roster":
+        strategy.selector = SeededRosterSelector(seed=0, query_config={protocol.ROSTER_EXAMPLES: 1})
+    strategy.initialize(model())
+
+    def node(msg: Message, key: str) -> RecordDict:
+        claimed = 10**6 if key == "partition:000000002" else 10  # one node inflates its weight
+        arrays = protocol.record_to_model(msg.content[protocol.ARRAYS], copy=True)
+        return RecordDict({protocol.ARRAYS: protocol.model_to_record(arrays),
+                           protocol.METRICS: MetricRecord({protocol.NUM_EXAMPLES: float(claimed)})})
+
+    grid = FakeGrid(node, num_nodes=3, examples={f"partition:{i:09d}": 20 for i in range(3)})
+    messages = list(strategy.configure_train(1, protocol.model_to_record(model()), ConfigRecord({"x": 1}), grid))
+    strategy.aggregate_train(1, grid.send_and_receive(messages))
+    assert strategy.last_replies == 2
+    assert any("exceeds" in r and ("roster" in r if source == "roster" else "max_num_examples" in r) for r in strategy.last_rejections)
