@@ -37,3 +37,38 @@ def weighted_mean_models(models: Sequence[Mapping[str, np.ndarray]], weights: Se
             acc += tmp
         out[key] = acc if floating else np.rint(acc).astype(first.dtype)
     return out
+
+
+def robust_mean_models(models: Sequence[Mapping[str, np.ndarray]], how: str, trim_fraction: float = 0.1) -> ModelDict:
+    """A mean that a few hostile models cannot drag far: the coordinate-wise ``median``, or the
+    ``trimmed`` mean (each coordinate's ⌊trim_fraction·n⌋ largest and smallest values left out,
+    the rest averaged). Unweighted: example counts are what an attacker inflates."""
+    if how not in ("median", "trimmed"):
+        raise ValueError(f"robust mean {how!r}; allowed: median, trimmed")
+    n = len(models)
+    cut = int(np.floor(trim_fraction * n)) if how == "trimmed" else 0
+    if how == "trimmed" and n - 2 * cut < 1:
+        cut = (n - 1) // 2
+    out: ModelDict = {}
+    for key, first in models[0].items():
+        stack = np.stack([np.asarray(m[key], dtype=np.float64) for m in models])
+        if how == "median":
+            value = np.median(stack, axis=0)
+        else:
+            value = np.sort(stack, axis=0)[cut : n - cut].mean(axis=0)
+        out[key] = value.astype(first.dtype) if np.issubdtype(first.dtype, np.floating) else np.rint(value).astype(first.dtype)
+    return out
+
+
+def bound_update_norm(model: Mapping[str, np.ndarray], sent: Mapping[str, np.ndarray], max_norm: float) -> tuple[ModelDict, float]:
+    """``model`` with its update (model − sent, floating-point entries) scaled to at most
+    ``max_norm`` in L2 norm (one norm over the whole update); returns (model, the update's norm)."""
+    keys = [k for k, v in model.items() if np.issubdtype(np.asarray(v).dtype, np.floating)]
+    norm = float(np.sqrt(sum(float(np.sum((np.asarray(model[k], np.float64) - sent[k]) ** 2)) for k in keys)))
+    if norm <= max_norm or norm == 0.0:
+        return dict(model), norm
+    scale = max_norm / norm
+    out = dict(model)
+    for k in keys:
+        out[k] = (sent[k] + (np.asarray(model[k], np.float64) - sent[k]) * scale).astype(np.asarray(model[k]).dtype)
+    return out, norm

@@ -37,7 +37,8 @@ from fedmm import protocol
 from fedmm.interrupt import STOP, raise_if_stopped
 from fedmm.errors import ConfigError
 from fedmm.protocol import ClientUpdate, ModelDict
-from fedmm.settings import Int, Nullable, Number, Settings, setting
+from fedmm.settings import Choice, Int, Nullable, Number, Settings, setting
+from strategies.aggregation import bound_update_norm, robust_mean_models
 from strategies.selection import ClientSelector, SeededRosterSelector
 
 #: Seconds between two pulls while replies are outstanding (a reply waits at most this long
@@ -89,6 +90,24 @@ def exchange(
 
 
 @dataclass
+class DefenceSettings(Settings):
+    """Optional defences against hostile updates (off by default, so the papers' numbers stand):
+    every accepted update's norm bounded against the model it was sent (per model for the
+    multi-model methods), and a robust mean where the method takes a mean of client models
+    (FedAvg's aggregate; the multi-model methods' global model)."""
+
+    keyed = False
+    clip_update_norm: float | None = setting(None, Nullable(Number(gt=0), "null (off) or an L2 norm > 0"),
+                                             "scale each update (model − the model it was sent) down to at most this L2 norm",
+                                             label="update norm ≤ {}")
+    robust_mean: str = setting("none", Choice("none", "median", "trimmed"),
+                               "none: the method's own mean | median: coordinate-wise | trimmed: coordinate-wise "
+                               "trimmed mean (unweighted)", label="{} mean")
+    trim_fraction: float = setting(0.1, Number(ge=0, lt=0.5), "share of each coordinate's largest and smallest values "
+                                   "left out by the trimmed mean")
+
+
+@dataclass
 class StrategySettings(Settings):
     """Settings every server method has; a method's own declaration extends this one.
 
@@ -107,8 +126,11 @@ class StrategySettings(Settings):
                                            "the roster did not report (a reply above the node's roster size is always "
                                            "rejected): bounds one client's share of an example-weighted mean")
 
+    defence: DefenceSettings = setting(DefenceSettings(), help="optional defences against hostile updates "
+                                       "(docs/reliability.md)")
+
     #: Declared after runs were made: the values that reproduce those runs.
-    added = {"max_num_examples": None}
+    added = {"max_num_examples": None, "defence": {"clip_update_norm": None, "robust_mean": "none", "trim_fraction": 0.1}}
 
     def check(self, run: Any) -> None:
         """Clients evaluate on rows they never train on: fraction_evaluate > 0 needs a held-out part."""
@@ -382,6 +404,27 @@ class RoundLoopStrategy(Strategy):
             return
         self._round_updates.append(update)
 
+    def bound_updates(self, updates: list[ClientUpdate]) -> None:
+        """``defence.clip_update_norm``: scale each update down to the bound, against the model
+        its slot was sent; the round logs how many were scaled and the largest norm seen."""
+        defence = getattr(self.settings, "defence", None)
+        if defence is None or defence.clip_update_norm is None or not updates or not self.models:
+            return
+        scaled, largest = 0, 0.0
+        for update in updates:
+            sent = self.models[self.model_for_slot(update.slot)]
+            update.model, norm = bound_update_norm(update.model, sent, float(defence.clip_update_norm))
+            scaled += norm > defence.clip_update_norm
+            largest = max(largest, norm)
+        self.round_log.update({"updates_scaled": float(scaled), "largest_update_norm": largest})
+
+    def robust_or(self, models: list[ModelDict], mean: Callable[[], ModelDict]) -> ModelDict:
+        """``defence.robust_mean`` of ``models`` when one is set, else the method's own ``mean()``."""
+        defence = getattr(self.settings, "defence", None)
+        if defence is None or defence.robust_mean == "none":
+            return mean()
+        return robust_mean_models(models, defence.robust_mean, defence.trim_fraction)
+
     def examples_bound(self, node_id: int) -> tuple[int | None, str]:
         """The largest ``num-examples`` a reply of ``node_id`` may report, and where it comes
         from: the node's size in the roster, else ``max_num_examples``."""
@@ -420,6 +463,7 @@ class RoundLoopStrategy(Strategy):
             self.round_log[key.replace("-", "_")] = float(np.mean([u.metrics[key] for u in updates if key in u.metrics]))
         if updates and self.models:
             self.selector.observe(server_round, updates, [self.models[self.model_for_slot(u.slot)] for u in updates])
+        self.bound_updates(updates)
         for update in updates:
             self.on_update(server_round, update)
         metrics = protocol.weighted_metrics(u.metrics for u in updates) if updates else {}

@@ -43,7 +43,7 @@ class FedAvg(RoundLoopStrategy):
         """Weighted mean of the accepted models (equal weights when none reports examples)."""
         if not updates:
             return None
-        weights = self.update_weights(updates)
-        self.models = [weighted_mean_models([u.model for u in updates], weights)]
+        models = [u.model for u in updates]
+        self.models = [self.robust_or(models, lambda: weighted_mean_models(models, self.update_weights(updates)))]
         return self.models[0]
 
