@@ -117,5 +117,13 @@ for ((i = 1; i <= supernodes; i++)); do
     fi
 done
 
+# --- the SuperExec shared secret -------------------------------------------------------------
+# The SuperLink's one port also serves the Runtime API that the ServerApp's SuperExec uses: the
+# shared secret keeps anyone else who reaches the port (a SuperNode's machine) from acting as one.
+if [[ ! -f superexec.secret ]]; then
+    (umask 077 && openssl rand -hex 32 > superexec.secret)
+    echo "created $out/superexec.secret"
+fi
+
 # Certificates and public keys are not secret.
 chmod 644 ca.crt server.pem supernode-keys/*.pub 2>/dev/null || true

@@ -430,3 +430,21 @@ def test_fedmr_runs_on_the_two_good_nodes(deployment: Deployment) -> None:
     assert rows[-1]["accuracy"] > 0.2 and rows[-1]["loss"] < rows[0]["loss"], rows
     with np.load(out / "final_models.npz") as pool:
         assert {name.split("/")[0] for name in pool.files} == {"0", "1"}  # K = 2 models kept
+
+
+def test_compose_publishes_only_the_superlinks_port_and_on_loopback_by_default() -> None:
+    """Only the SuperLink's one port leaves the Compose network, bound to 127.0.0.1 unless the
+    operator names the clients' interface; the SuperExecs need the shared secret."""
+    import yaml
+
+    text = (Path(__file__).resolve().parents[1] / "deploy" / "compose.yaml").read_text()
+    expand = lambda value: re.sub(r"\$\{(\w+):-([^}]*)\}", lambda m: os.environ.get(m.group(1), m.group(2)), str(value))  # noqa: E731
+    services = yaml.safe_load(text)["services"]
+    published = {name: [expand(p) for p in svc.get("ports", [])] for name, svc in services.items() if svc.get("ports")}
+    assert set(published) == {"superlink"}, published
+    for port in published["superlink"]:
+        host, outside, inside = port.rsplit(":", 2)
+        assert host == "127.0.0.1" and outside == inside == "8000", port
+    for name in ("superlink", "superexec-serverapp"):
+        assert any("superexec-auth-secret-file" in str(arg) for arg in services[name]["command"]), name
+        assert any("superexec.secret" in str(v) for v in services[name]["volumes"]), name
