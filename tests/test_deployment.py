@@ -123,13 +123,25 @@ def test_node_data_that_does_not_fit_the_model_is_refused(mnist_sites: list[Path
     assert "(node 5, host" in msg and "does not match the run's model" in msg and key in msg, msg
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads every folder")
-def test_node_data_unreadable_folder(mnist_sites: list[Path], tmp_path: Path) -> None:
+def test_node_data_unreadable_folder(mnist_sites: list[Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A folder the SuperNode's user cannot read. Root reads every folder, so as root the access
+    check is the one an unprivileged user gets: the mode's bits for others (r and x needed)."""
     locked = shutil.copytree(mnist_sites[0], tmp_path / "locked")
     locked.chmod(0)
+    if os.geteuid() == 0:
+        import client_app.node_data as node_data
+
+        def as_other(path, mode):  # noqa: ANN001, ANN202 - os.access for a user that owns nothing
+            bits = os.stat(path).st_mode
+            need = (4 if mode & os.R_OK else 0) | (1 if mode & os.X_OK else 0)
+            return bits & need == need
+
+        monkeypatch.setattr(node_data.os, "access", as_other)
     try:
         with pytest.raises(NodeDataError, match="folder is not readable"):
             load_node_data(mnist_cfg(), locked, node_id=1)
+        locked.chmod(0o755)
+        load_node_data(mnist_cfg(), locked, node_id=1)  # readable again: it loads
     finally:
         locked.chmod(0o755)
 

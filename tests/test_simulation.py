@@ -251,17 +251,18 @@ def test_a_run_whose_clients_all_fail_stops_as_failed_and_the_job_fails(tmp_path
 
 
 def test_a_sweep_with_a_failed_job_finishes_the_others_lists_the_failure_and_exits_non_zero(tmp_path: Path) -> None:
-    """Job 1 asks for CUDA on a machine without it: it fails; job 0 completes; fedmm exits 1."""
+    """Job 1 asks every one of 2 clients for 3,000 of the 4,000 training rows: it fails when it
+    partitions (on any host, GPU or not); job 0 completes; fedmm exits 1."""
     sweep = tmp_path / "sweep"
     cmd = [
-        str(BIN / "fedmm"), "-m", "training.device=cpu,cuda", "num_rounds=1", "num_clients=2", "clients_per_round=1",
+        str(BIN / "fedmm"), "-m", "partition.min_partition_size=1,3000", "num_rounds=1", "num_clients=2", "clients_per_round=1",
         "training.local_epochs=1", f"hydra.sweep.dir={sweep}",
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=tmp_path)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     statuses = {p.parent.name.split("_")[0]: json.loads(p.read_text())["status"] for p in sweep.glob("*/summary.json")}
     assert statuses == {"0": "completed", "1": "failed"}
-    assert "fedmm: 1 job(s) failed:" in proc.stdout and "no CUDA device" in proc.stdout
+    assert "fedmm: 1 job(s) failed:" in proc.stdout and "partition.min_partition_size=3000" in proc.stdout
     (job0,) = sweep.glob("0_*")
     assert "[fedmm] round 1/1" in (job0 / "cli.log").read_text()  # the hydra job log has the progress lines
     # the report lays this real sweep out as a paper table (the embedded MNIST subset named as the
