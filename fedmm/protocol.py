@@ -46,6 +46,10 @@ ROSTER = "roster"
 
 #: ``Context.state`` ConfigRecord: which experiment (a hash of its run config) the node's state belongs to.
 STATE_EXPERIMENT = "fedmm-experiment"
+#: Node state waiting for the server to accept the reply that made it (Context.state keys).
+STATE_PENDING = "fedmm-pending"
+#: Train config: the last round whose train reply of this node the server accepted (0: none).
+ACCEPTED_ROUND = "accepted-round"
 
 #: Message actions of FedMR's secure recombination (``train.<action>``, see :mod:`fedmm.secure`):
 #: key setup (with the dispatched model), stage 1 (send), stages 2-3 (receive, return), upload.

@@ -108,6 +108,7 @@ class LocalUpdate:
             from flwr.app import RecordDict
         self.state = state if state is not None else RecordDict()
         self.content = content if content is not None else RecordDict()
+        self._settle_kept()
 
     # ------------------------------------------------------------------ hooks
     def begin(self, model: nn.Module, server_round: int) -> None:
@@ -154,6 +155,52 @@ class LocalUpdate:
         """The training settings of this node's round: the training group's, with this
         objective's own ``training`` overrides."""
         return training.replace(**self.params.training) if self.params.training else training
+
+    # ------------------------------------------------------------------ state kept across rounds
+    def _config_value(self, key: str) -> Any:
+        from fedmm.protocol import CONFIG
+
+        try:
+            return self.content[CONFIG][key] if CONFIG in self.content and key in self.content[CONFIG] else None
+        except (KeyError, TypeError):
+            return None
+
+    def keep(self, records: Mapping[str, Any]) -> None:
+        """Store ``records`` in the node's state for its next round, once the server has
+        accepted this round's reply: they wait under a pending key, and the node's next train
+        message says whether the server accepted it (its ``accepted-round``); a rejected
+        round's state is dropped, so the node's state stays what the server counted (SCAFFOLD:
+        c = mean(c_i)). With a server that does not say (a plain Flower strategy) or without a
+        train message (secure recombination's training), they are kept at once."""
+        from flwr.app import ConfigRecord
+
+        from fedmm.protocol import SERVER_ROUND, STATE_PENDING
+
+        server_round = self._config_value(SERVER_ROUND)
+        if server_round is None or self._config_value("accepted-round") is None:
+            for key, record in records.items():
+                self.state[key] = record
+            return
+        for key, record in records.items():
+            self.state[f"{STATE_PENDING}/{key}"] = record
+        self.state[STATE_PENDING] = ConfigRecord({"round": int(server_round), "keys": list(records)})
+
+    def _settle_kept(self) -> None:
+        """Commit or drop the state :meth:`keep` left pending, by this message's ``accepted-round``."""
+        from fedmm.protocol import ACCEPTED_ROUND, STATE_PENDING
+
+        if STATE_PENDING not in self.state:
+            return
+        meta = self.state[STATE_PENDING]
+        accepted = self._config_value(ACCEPTED_ROUND)
+        commit = accepted is None or int(accepted) >= int(meta["round"])
+        for key in list(meta["keys"]):
+            pending = f"{STATE_PENDING}/{key}"
+            if pending in self.state:
+                if commit:
+                    self.state[key] = self.state[pending]
+                del self.state[pending]
+        del self.state[STATE_PENDING]
 
     def optimizer_args(self, training: TrainingSettings, lr: float) -> dict[str, float]:
         """Keyword arguments of the round's ``torch.optim.SGD`` (default: the ``training`` group's)."""

@@ -84,5 +84,5 @@ class FedDynClient(LocalUpdate):
         trained = {n: p.detach().cpu().numpy() for n, p in model.named_parameters() if n in self.g}
         new = feddyn_client_step({n: v.cpu().numpy() for n, v in self.g.items()}, trained,
                                  {n: v.cpu().numpy() for n, v in self.server.items()}, self.alpha)
-        self.state[GRADIENT_STATE] = protocol.model_to_record(new)
+        self.keep({GRADIENT_STATE: protocol.model_to_record(new)})
         return {}

@@ -133,9 +133,8 @@ class Moon(LocalUpdate):
 
         from flwr.app import MetricRecord
 
-        self.state[PREVIOUS] = protocol.model_to_record(
-            {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()})
-        self.state[AGE_STATE] = MetricRecord({"rounds": self.age + 1})
+        self.keep({PREVIOUS: protocol.model_to_record({k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}),
+                   AGE_STATE: MetricRecord({"rounds": self.age + 1})})
         return {}
 
     def metrics(self) -> dict[str, float]:

@@ -140,8 +140,7 @@ class Scaffold(LocalUpdate):
                 ci_new = self.ci[n] - self.c[n] + (self.x[n] - p.detach()) * scale
                 new[n] = ci_new.cpu().numpy()
                 delta[n] = (ci_new - self.ci[n]).cpu().numpy()
-        self.state[CONTROL_STATE] = protocol.model_to_record(new)
-        self.state[CONTROL_AGE_STATE] = MetricRecord({"rounds": self.age + 1})
+        self.keep({CONTROL_STATE: protocol.model_to_record(new), CONTROL_AGE_STATE: MetricRecord({"rounds": self.age + 1})})
         return {CONTROL_DELTA: protocol.model_to_record(delta)}
 
     def metrics(self) -> dict[str, float]:

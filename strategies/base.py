@@ -222,6 +222,10 @@ class RoundLoopStrategy(Strategy):
         #: Numbers a method reports about its own round (e.g. FedExP's server step size), written
         #: into the round's row of ``metrics.jsonl``; reset at the start of every round.
         self.round_log: dict[str, float] = {}
+        #: node id -> the last round whose train reply of that node was accepted (sent to the
+        #: node with its next train message: its objective keeps state made in a rejected round
+        #: out, :meth:`objectives.base.LocalUpdate.keep`).
+        self.accepted_rounds: dict[int, int] = {}
         # Metadata of the round's train messages (the grid fills in their ids when it pushes
         # them); the messages themselves are not kept once pushed.
         self._pending: list[Any] = []
@@ -303,6 +307,7 @@ class RoundLoopStrategy(Strategy):
             "global_model": self.global_model,
             "rng": self.rng.bit_generator.state,
             "selector": self.selector.state_dict(),
+            "accepted_rounds": dict(self.accepted_rounds),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -312,6 +317,7 @@ class RoundLoopStrategy(Strategy):
         self.spec = protocol.array_spec(self.models[0])
         self.rng.bit_generator.state = state["rng"]
         self.selector.load_state_dict(state["selector"])
+        self.accepted_rounds = {int(k): int(v) for k, v in state.get("accepted_rounds", {}).items()}
 
     # ================================================================== Flower Strategy API
     def configure_train(
@@ -334,7 +340,8 @@ class RoundLoopStrategy(Strategy):
             index = self.model_for_slot(slot)
             if index not in encoded:
                 encoded[index] = protocol.model_to_record(self.models[index])
-            node_config = {**dict(config), protocol.SERVER_ROUND: server_round, protocol.MODEL_INDEX: index}
+            node_config = {**dict(config), protocol.SERVER_ROUND: server_round, protocol.MODEL_INDEX: index,
+                           protocol.ACCEPTED_ROUND: self.accepted_rounds.get(node_id, 0)}
             messages.append(
                 protocol.server_message(
                     protocol.TRAIN, node_id, node_config, encoded[index], self.extra_records(server_round, slot)
@@ -480,6 +487,8 @@ class RoundLoopStrategy(Strategy):
             return None, MetricRecord(metrics)
         if global_model is not None:
             self.global_model = global_model
+        for update in updates:
+            self.accepted_rounds[update.node_id] = server_round
         # The server's arrays are never written in place from here on, so a state_dict() taken
         # after a round stays that round's state (checkpoints, the non-finite fallback above).
         for model in [*(self.models or []), self.global_model or {}]:

@@ -97,7 +97,7 @@ def test_server_c_is_the_mean_of_every_clients_c_i_under_partial_participation()
     grid = FakeGrid(nodes, num_nodes=n, seed=0)
     strategy = ScaffoldServer(clients_per_round=2, seed=1, num_clients=n)
     run(strategy, grid, [1, 2, 3, 4, 5])
-    trained = [record_to_model(s[scaffold_client.CONTROL_STATE]) for s in nodes.states.values() if scaffold_client.CONTROL_STATE in s]
+    trained = [ci for ci in effective_controls(nodes, grid, strategy) if ci is not None]
     assert 2 < len(trained) < n  # some clients trained (some twice), some never
     assert all(np.abs(ci["0.weight"]).max() > 1e-3 for ci in trained)
     for key, value in strategy.control.items():
@@ -105,6 +105,54 @@ def test_server_c_is_the_mean_of_every_clients_c_i_under_partial_participation()
         np.testing.assert_allclose(value, mean, atol=1e-6)
     assert set(strategy.control) == {"0.weight", "0.bias", "1.weight", "1.bias"}
     assert strategy.round_log["control_rounds"] >= 1.0
+
+
+def effective_controls(nodes: Nodes, grid: FakeGrid, strategy: ScaffoldServer) -> list[dict | None]:
+    """Each node's c_i as the server counts it: the one its last accepted round made (a node
+    keeps a round's c_i pending until its next train message says the server accepted it)."""
+    from fedmm.protocol import STATE_PENDING
+
+    out = []
+    for node_id, key in grid.keys.items():
+        state = nodes.states.get(key)
+        if state is None:
+            out.append(None)
+            continue
+        pending = f"{STATE_PENDING}/{scaffold_client.CONTROL_STATE}"
+        if STATE_PENDING in state and int(state[STATE_PENDING]["round"]) <= strategy.accepted_rounds.get(node_id, 0):
+            out.append(record_to_model(state[pending]))
+        elif scaffold_client.CONTROL_STATE in state:
+            out.append(record_to_model(state[scaffold_client.CONTROL_STATE]))
+        else:
+            out.append(None)
+    return out
+
+
+def test_a_rejected_reply_leaves_the_nodes_c_i_as_the_server_counts_it() -> None:
+    """Node 0's round-1 reply is rejected (a NaN weight): its c_i of round 1 never counts, on
+    the server or on the node, and c = mean(c_i) holds after every round."""
+    n = 3
+
+    class Rejecting(Nodes):
+        def __call__(self, msg, key):  # noqa: ANN001, ANN202
+            content = super().__call__(msg, key)
+            if key == "partition:000000000" and int(msg.content["config"]["x"]) == 1:
+                arrays = record_to_model(content["arrays"], copy=True)
+                arrays["0.weight"] = arrays["0.weight"] * np.float32("nan")
+                content["arrays"] = model_to_record(arrays)
+            return content
+
+    nodes = Rejecting()
+    grid = FakeGrid(nodes, num_nodes=n, seed=0)
+    strategy = ScaffoldServer(clients_per_round=n, seed=1, num_clients=n)
+    for rnd in (1, 2, 3):
+        run(strategy, grid, [rnd])
+        if rnd == 1:
+            assert strategy.last_replies == 2
+        controls = [ci for ci in effective_controls(nodes, grid, strategy) if ci is not None]
+        for key, value in strategy.control.items():
+            mean = sum(ci[key].astype(np.float64) for ci in controls) / n
+            np.testing.assert_allclose(value, mean, atol=1e-6)
 
 
 def test_first_round_with_zero_controls_equals_fedavg() -> None:
@@ -155,13 +203,20 @@ def test_config_rules() -> None:
 def test_a_nodes_state_from_another_experiment_is_not_read() -> None:
     """Several experiments on one Flower run share the nodes' Context: a second experiment (other
     config) starts from zeros, the same experiment keeps its c_i."""
+    from fedmm.protocol import STATE_PENDING
+
+    def age(state) -> int:  # noqa: ANN001 - the age of the c_i this round made (pending until accepted)
+        pending = f"{STATE_PENDING}/{scaffold_client.CONTROL_AGE_STATE}"
+        return int(state[pending if pending in state else scaffold_client.CONTROL_AGE_STATE]["rounds"])
+
     nodes = Nodes()
     grid = FakeGrid(nodes, num_nodes=2, seed=0)
-    run(ScaffoldServer(clients_per_round=2, seed=0, num_clients=2), grid, [1])
+    server = ScaffoldServer(clients_per_round=2, seed=0, num_clients=2)
+    run(server, grid, [1])
     state = next(iter(nodes.states.values()))
-    assert int(state[scaffold_client.CONTROL_AGE_STATE]["rounds"]) == 1
-    run(ScaffoldServer(clients_per_round=2, seed=0, num_clients=2), grid, [2])  # same experiment, next round
-    assert int(state[scaffold_client.CONTROL_AGE_STATE]["rounds"]) == 2
+    assert age(state) == 1
+    run(server, grid, [2])  # same experiment, next round
+    assert age(state) == 2
     nodes.objective = {**OBJECTIVE, "clip_norm": 5.0}  # another experiment on the same nodes
     run(ScaffoldServer(clients_per_round=2, seed=0, num_clients=2), grid, [2])
-    assert int(state[scaffold_client.CONTROL_AGE_STATE]["rounds"]) == 1
+    assert age(state) == 1
