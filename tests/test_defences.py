@@ -60,3 +60,25 @@ def test_defences_hold_one_hostile_client_of_five(name: str, attack: str) -> Non
     assert np.abs(undefended - 1).max() > 2  # the attacker moves the plain mean far from +1
     np.testing.assert_allclose(median, 1.0)  # 4 of 5 honest: the median is theirs
     assert np.abs(bounded - 1).max() < np.abs(undefended - 1).max() / 4  # its pull cut to norm 2
+
+
+def test_a_non_finite_aggregate_keeps_the_previous_models() -> None:
+    """Two finite replies whose extrapolated aggregate overflows float32 (FedExP: opposite huge
+    updates make its server step size ~1e76): the round logs an error, counts no reply and the
+    server keeps the models it had (nothing non-finite reaches a model)."""
+    strategy = build_strategy(compose(["strategy=fedexp", "num_clients=2", "clients_per_round=2"]))
+    initial = {"w": np.zeros(2, np.float32)}
+    strategy.initialize(initial)
+
+    def node(msg: Message, key: str) -> RecordDict:
+        sign = 1.0 if key.endswith("0") else -1.0
+        return RecordDict({protocol.ARRAYS: protocol.model_to_record({"w": np.array([sign * 3.0e38, 1.0], np.float32)}),
+                           protocol.METRICS: MetricRecord({protocol.NUM_EXAMPLES: 10.0})})
+
+    grid = FakeGrid(node, num_nodes=2)
+    messages = list(strategy.configure_train(1, protocol.model_to_record(initial), ConfigRecord({"x": 1}), grid))
+    with np.errstate(over="ignore"):
+        out, metrics = strategy.aggregate_train(1, grid.send_and_receive(messages))
+    assert out is None and metrics["replies"] == 0.0 and strategy.last_replies == 0
+    np.testing.assert_array_equal(strategy.models[0]["w"], initial["w"])
+    assert strategy.accepted_rounds == {}  # the nodes' state of this round is not kept either
