@@ -138,6 +138,8 @@ def handle(msg: Message, context: Context, train_fn: TrainFn) -> Message:
         if bool(settings.get(protocol.SECURE_TRAIN, False)):
             _train(node, config, context, server_round, train_fn)
         save(context, node)  # the snapshot stays: a failed upload elsewhere rolls this one back
-        metrics = {**node.metrics, protocol.SECURE_BYTES_SEALED: float(node.bytes_sealed), protocol.SECURE_PADDING_SEALED: float(node.padding_sealed)}
+        # not the padding it sealed: a per-node count of padding would tell the server the real
+        # sizes, hence the layers, that the padding hides
+        metrics = {**node.metrics, protocol.SECURE_BYTES_SEALED: float(node.bytes_sealed)}
         return protocol.reply_message(msg, {protocol.ARRAYS: protocol.model_to_record(node.model), protocol.METRICS: MetricRecord(metrics)})
     raise SecureError(f"unknown secure-recombination action {action!r}")

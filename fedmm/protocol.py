@@ -109,7 +109,7 @@ DATA_PATH_KEY = "data-path"
 #: ``metrics`` of a secure-recombination upload: ciphertext bytes the node sealed this round,
 #: and the padding among them.
 SECURE_BYTES_SEALED = "secure-bytes-sealed"
-SECURE_PADDING_SEALED = "secure-padding-sealed"
+
 #: ``metrics`` of a reply: examples the client trained / evaluated on (Flower's convention).
 NUM_EXAMPLES = "num-examples"
 

@@ -62,6 +62,10 @@ MAX_REPETITIONS = 4000
 MAX_ATTEMPTS = 255
 
 
+#: How a node's error names the peer whose sealed layer it could not use (the relay reads it).
+BAD_LAYER_FROM = "the layer from node "
+
+
 class SecureError(RuntimeError):
     """A violation of the protocol: a ciphertext that does not open, a message out of order, a
     count that does not balance. The node refuses the message; the server rolls back."""
@@ -213,6 +217,8 @@ class LayerCodec:
             shape, dtype = self.spec[key]
             count = int(np.prod(shape, dtype=np.int64))
             arrays[key] = np.frombuffer(plaintext, dtype=dtype, count=count, offset=offset).reshape(shape).copy()
+            if np.issubdtype(arrays[key].dtype, np.floating) and not np.isfinite(arrays[key]).all():
+                raise SecureError(f"layer {index}: {key} holds NaN or Inf")
             offset += count * dtype.itemsize
         return index, arrays
 
@@ -370,7 +376,10 @@ class NodeExchange:
             if (src, seq) in seen:
                 raise SecureError(f"node {self.node}: a second layer from node {src} with sequence {seq}")
             seen.add((src, seq))
-            index, layer = codec.decode(open_sealed(self.key_with(src), self.envelope(stage, src, self.node, seq), ciphertext))
+            try:
+                index, layer = codec.decode(open_sealed(self.key_with(src), self.envelope(stage, src, self.node, seq), ciphertext))
+            except SecureError as err:  # name the sender: the relay drops it along with this node
+                raise SecureError(f"node {self.node}: {BAD_LAYER_FROM}{src} (sequence {seq}) cannot be used: {err}") from err
             out.append((src, index, layer))
         return out
 

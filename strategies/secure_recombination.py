@@ -33,6 +33,7 @@ The relay metadata (who sent how many bytes to whom, per stage) of the last roun
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
@@ -47,7 +48,7 @@ from fedmm import protocol
 from fedmm.errors import ConfigError
 from fedmm.settings import Bool, Choice, Int, Nullable, Settings, setting
 from fedmm.layers import layer_units
-from fedmm.secure import MAX_ATTEMPTS, MAX_REPETITIONS, MODES, RETURN, SEND, LayerCodec, exchanges_of
+from fedmm.secure import BAD_LAYER_FROM, MAX_ATTEMPTS, MAX_REPETITIONS, MODES, RETURN, SEND, LayerCodec, exchanges_of
 
 if TYPE_CHECKING:
     from strategies.multimodel import MultiModelStrategy
@@ -258,7 +259,13 @@ class SecureRecombination:
         for reply in self._strategy.send(self._grid, messages, self._timeout):
             node = reply.metadata.src_node_id
             if reply.has_error():
-                rnd.drop(node, f"client error: {protocol.client_error(reply.error.reason)}")
+                reason = protocol.client_error(reply.error.reason)
+                rnd.drop(node, f"client error: {protocol.printable(reason, 1000)}")
+                # a layer it could not open or use: the relay cannot tell whether the sender sealed
+                # garbage or the receiver lies, so the named sender leaves the exchange too
+                accused = re.search(re.escape(BAD_LAYER_FROM) + r"(\d+)", reason)
+                if accused and int(accused.group(1)) in rnd.alive and int(accused.group(1)) != node:
+                    rnd.drop(int(accused.group(1)), f"node {node} could not use a layer it sealed: {protocol.printable(reason, 1000)}")
             else:
                 replies[node] = reply
         for node in sent:
@@ -403,8 +410,6 @@ class SecureRecombination:
             return True
         for node, why in rnd.dropped.items():
             s.fail_slot(rnd.slot(node), f"dropped from secure recombination: {why}")
-        # the padding the clients sealed (their own count: the server cannot tell padding from layer)
-        s.round_log["secure_padding_bytes"] = float(sum(u.metrics.get(protocol.SECURE_PADDING_SEALED, 0.0) for u in s.accepted_updates()))
         if rnd.exchanged and not failed:
             log(INFO, "round %d: secure recombination: %d round trips, %d ciphertext bytes relayed", rnd.server_round, rnd.round_trips, rnd.relayed_bytes)
         return bool(failed)

@@ -85,3 +85,21 @@ def test_scaffold_step_adds_c_minus_c_i_to_the_gradient() -> None:
     for (name, p), g in zip(model.named_parameters(), grads):
         expected = w0[name] - 0.1 * (g + 0.5 - 0.2)
         torch.testing.assert_close(p.detach(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_received_layer_with_nan_is_refused_naming_its_sender() -> None:
+    from fedmm.secure import BAD_LAYER_FROM, LayerCodec, NodeExchange, seal
+
+    codec = LayerCodec({"w": ((2,), np.dtype(np.float32))}, [["w"]], pad=False)
+    with pytest.raises(SecureError, match="NaN"):
+        codec.decode(codec.encode(0, {"w": np.array([1.0, np.nan], np.float32)}))
+    # at a node: the error names the sender, which the relay drops along with the receiver
+    a_private, a_public = keypair()
+    node = NodeExchange.start(1, 1, "5", {"w": np.zeros(2, np.float32)})
+    node.begin("after", 0, {"5": node.public, "9": a_public})
+    node.repetition, node.phase = 1, "sent"
+    envelope = node.envelope(1, "9", "5", 0)
+    ciphertext = seal(pair_key(a_private, node.public, 1, 1, "9", "5"), envelope,
+                      codec.encode(0, {"w": np.array([np.inf, 0.0], np.float32)}))
+    with pytest.raises(SecureError, match=BAD_LAYER_FROM + "9"):
+        node._open_all([("9", 0, ciphertext)], 1, codec)
