@@ -100,11 +100,16 @@ def test_killed_and_resumed_run_gives_the_recorded_results(tmp_path: Path, ray_e
             os.kill(pid, signal.SIGKILL)
     before = read_metrics(run)
     assert 2 <= before[-1]["round"] < 4  # it really was stopped mid-run
+    from server_app.checkpoint import load_checkpoint
+
+    start = load_checkpoint(run)["round"] + 1  # the round after the last checkpointed one
+    assert start >= 3
     resumed = subprocess.run(
         [str(BIN / "fedmm"), f"resume={run}", f"hydra.run.dir={tmp_path / 'hydra'}"],
         cwd=tmp_path, env=ray_env, capture_output=True, text=True, timeout=600,
     )
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert f"resuming at round {start}/4" in resumed.stdout + resumed.stderr  # not from round 1
     assert_same_results(read_metrics(run), fixture(preset)[:5])
     assert (run / "final_model.pt").stat().st_size > 0
     text = (run / "metrics.jsonl").read_text()

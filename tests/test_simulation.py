@@ -87,6 +87,15 @@ def test_flwr_run_simulation_writes_metrics(tmp_path: Path) -> None:
     # the federation had 4 SuperNodes although conf/ says num_clients=20: the run adapts
     assert "num_clients: 4" in (out / "config.yaml").read_text()
     assert "name: feddyn" in (out / "config.yaml").read_text() and rows[2].get("h_norm", 0) > 0  # FedDyn's h moved
+    # `fedmm` with the same settings gives the same curve (docs/usage.md says so)
+    from launch.cli import run_job
+
+    same = to_container(compose(["strategy=feddyn", "num_rounds=2", "clients_per_round=2", "num_clients=4",
+                                 "training.local_epochs=1", f"output_dir={tmp_path / 'fedmm'}"]))
+    ours = read_metrics(run_job(same))
+    assert [r["round"] for r in ours] == [0, 1, 2]
+    for a, b in zip(rows, ours):
+        assert abs(a["accuracy"] - b["accuracy"]) <= 0.005, (rows, ours)
 
 
 def test_multimodel_simulation_dispatch_stages_and_failing_client(tmp_path: Path) -> None:
