@@ -34,6 +34,7 @@ def build_strategy(cfg: Any) -> Strategy:
         strategy.selector = selector
     if isinstance(strategy.selector, SeededRosterSelector):
         strategy.selector.min_nodes_timeout = float(run.min_nodes_timeout) or None
+        strategy.selector.query = True  # the fedmm ClientApp answers the roster query
     return strategy
 
 

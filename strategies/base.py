@@ -168,7 +168,8 @@ class RoundLoopStrategy(Strategy):
     fraction_evaluate : float, optional
         Share of the connected nodes that evaluate the global model each round (a setting).
     selector : ClientSelector, optional
-        Which nodes take part; default: :class:`SeededRosterSelector` with ``seed``.
+        Which nodes take part; default: :class:`SeededRosterSelector` with ``seed``, without the
+        roster query (nodes ordered by node id).
     settings : StrategySettings, optional
         The method's settings (default: the declared defaults).
     **changes
@@ -208,7 +209,9 @@ class RoundLoopStrategy(Strategy):
         self.settings = settings.replace(**changes) if changes else settings
         self.clients_per_round = clients_per_round
         self.seed = seed
-        self.selector = selector or SeededRosterSelector(seed)
+        # A strategy made in any Flower app sends no roster query (its ClientApp may have no
+        # query handler); the fedmm app turns the query on (strategies.build_strategy).
+        self.selector = selector or SeededRosterSelector(seed, query=False)
         self.rng = np.random.default_rng([seed, 0x5EED])
         #: The server's models (FedAvg: one; multi-model methods: K).
         self.models: list[ModelDict] | None = None

@@ -76,9 +76,11 @@ class SeededRosterSelector(ClientSelector):
     (its partition id in simulation, its data path in deployment) with a QUERY message, orders
     the nodes by that key and samples with ``rng(seed, round[, stream])``: no state to save.
 
-    The roster query is an optional capability of the ClientApp: a node that does not answer
-    it (a plain Flower ClientApp has no query handler) is ordered by its node id instead, which
-    is reproducible only as far as the node ids are.
+    The roster query is an optional capability of the ClientApp, sent only when ``query`` is on
+    (the ``fedmm`` app turns it on; a strategy created in another Flower app sends none, since a
+    plain Flower ClientApp has no query handler and would log an error per node): without it, or
+    for a node that does not answer it, nodes are ordered by their node id, which is
+    reproducible only as far as the node ids are.
     """
 
     def __init__(
@@ -88,8 +90,11 @@ class SeededRosterSelector(ClientSelector):
         chunk: int = 100,
         min_nodes_timeout: float | None = None,
         query_config: Mapping[str, Any] | None = None,
+        query: bool = True,
     ) -> None:
         self.seed = seed
+        #: Ask new nodes for their stable key (and size) with a QUERY message.
+        self.query = query
         self.timeout = timeout
         self.chunk = chunk
         #: Seconds to wait for enough nodes to connect (None: forever).
@@ -124,6 +129,10 @@ class SeededRosterSelector(ClientSelector):
 
     def _query_keys(self, grid: Grid, node_ids: list[int]) -> dict[int, str]:
         keys = {node_id: f"~node:{node_id:020d}" for node_id in node_ids}
+        if not self.query:
+            if not self._keys:
+                log(INFO, "Sampling nodes ordered by node id (no roster query: reproducible as far as the node ids are)")
+            return keys
         # In chunks: Flower's in-memory message store scans every pending message for every
         # node, so N messages in flight cost N² (1,000 clients: seconds per poll).
         unanswered: list[str] = []

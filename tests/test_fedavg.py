@@ -52,20 +52,27 @@ def test_malformed_replies_are_dropped_not_fatal() -> None:
     np.testing.assert_allclose(record_to_model(arrays)["w"], np.full((2, 2), 250 / 70), rtol=1e-6)
 
 
-def test_sampling_is_reproducible_across_node_id_assignments() -> None:
-    def sampled_keys(grid_seed: int, seed: int) -> list[list[str]]:
+def test_sampling_is_reproducible_across_node_id_assignments_when_the_app_opts_in() -> None:
+    from strategies.selection import SeededRosterSelector
+
+    def sampled_keys(grid_seed: int, seed: int, query: bool = True) -> tuple[list[list[str]], int]:
         grid = FakeGrid(node, num_nodes=10, seed=grid_seed)  # different random node ids
-        strategy = FedAvg(clients_per_round=3, seed=seed)
+        strategy = FedAvg(clients_per_round=3, seed=seed, selector=SeededRosterSelector(seed, query=query))
         out = []
         for rnd in (1, 2, 3):
             msgs = strategy.configure_train(rnd, initial(), ConfigRecord(), grid)
             out.append([grid.keys[m.metadata.dst_node_id] for m in msgs])
-        return out
+        return out, len(grid.queries)
 
-    assert sampled_keys(0, seed=5) == sampled_keys(1, seed=5)
-    assert sampled_keys(0, seed=5) != sampled_keys(0, seed=6)
-    rounds = sampled_keys(0, seed=5)
-    assert all(len(set(r)) == 3 for r in rounds)
+    assert sampled_keys(0, seed=5)[0] == sampled_keys(1, seed=5)[0]
+    assert sampled_keys(0, seed=5)[0] != sampled_keys(0, seed=6)[0]
+    rounds, queries = sampled_keys(0, seed=5)
+    assert all(len(set(r)) == 3 for r in rounds) and queries == 10  # one roster query per node, once
+    # a strategy made in any Flower app (the default selector) sends no query at all: a plain
+    # Flower ClientApp has no query handler
+    grid = FakeGrid(node, num_nodes=10, seed=0)
+    list(FedAvg(clients_per_round=3, seed=5).configure_train(1, initial(), ConfigRecord(), grid))
+    assert grid.queries == []
 
 
 def test_aggregate_matches_flowers_aggregate_arrayrecords() -> None:
