@@ -521,18 +521,25 @@ class RoundLoopStrategy(Strategy):
         metric finite, ``num-examples`` a count, ``accuracy`` in [0, 1], ``loss`` >= 0); each
         rejected reply is logged with its node and reason."""
         valid = []
+        rejected: dict[str, list[int]] = {}  # one line per reason, however many nodes gave it
         for reply in replies:
             node = reply.metadata.src_node_id
             if reply.has_error():
-                log(WARNING, "round %d: evaluate reply of node %s rejected: client error: %s", server_round, node,
-                    protocol.printable(protocol.client_error(reply.error.reason)))
+                reason = f"client error: {protocol.printable(protocol.client_error(reply.error.reason))}"
+                if "No evaluate function registered" in reply.error.reason:
+                    reason = "the ClientApp has no evaluate handler (set fraction_evaluate=0, or add @app.evaluate())"
+                rejected.setdefault(reason, []).append(node)
                 continue
             metrics = protocol.reply_metrics(reply)
             reason = protocol.check_evaluate_metrics(metrics)
             if reason:
-                log(WARNING, "round %d: evaluate reply of node %s rejected: %s", server_round, node, reason)
+                rejected.setdefault(reason, []).append(node)
                 continue
             valid.append(metrics)
+        for reason, nodes in rejected.items():
+            shown = ", ".join(str(n) for n in nodes[:3]) + (f" and {len(nodes) - 3} more" if len(nodes) > 3 else "")
+            log(WARNING, "round %d: %d evaluate repl%s rejected (node %s): %s", server_round, len(nodes),
+                "y" if len(nodes) == 1 else "ies", shown, reason)
         return MetricRecord(protocol.weighted_metrics(valid)) if valid else None
 
     def summary(self) -> None:
