@@ -187,6 +187,8 @@ class LocalUpdate:
 
     def _settle_kept(self) -> None:
         """Commit or drop the state :meth:`keep` left pending, by this message's ``accepted-round``."""
+        if not self.state:  # nothing kept (and no Flower import: the objectives train without it)
+            return
         from fedmm.protocol import ACCEPTED_ROUND, STATE_PENDING
 
         if STATE_PENDING not in self.state:
