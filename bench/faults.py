@@ -148,8 +148,9 @@ def run_strategy(strategy: str, root: Path, attacks: bool = False, clip: float =
                 lost += len({n.split("/")[0] for n in pool.files if pool[n].dtype.kind == "f" and not np.isfinite(pool[n]).all()})
         import torch
 
-        final = torch.load(run / "final_model.pt", weights_only=True)
-        lost += sum(1 for v in final.values() if v.is_floating_point() and not torch.isfinite(v).all())
+        if (run / "final_model.pt").exists():  # a run that failed (e.g. every reply rejected) wrote none
+            final = torch.load(run / "final_model.pt", weights_only=True)
+            lost += sum(1 for v in final.values() if v.is_floating_point() and not torch.isfinite(v).all())
         rows.append({
             "strategy": strategy, "fault": fault, "status": summary["status"],
             "replies": [m.get("replies") for m in metrics[1:]], "final_accuracy": metrics[-1]["accuracy"],
@@ -173,8 +174,9 @@ def main() -> None:
         print("| strategy | clean | scale ×100 | scale, defended | flip ×−10 | flip, defended |")
         print("|---|---|---|---|---|---|")
         for strategy in args.strategies:
-            acc = {r["fault"]: r["final_accuracy"] for r in rows if r["strategy"] == strategy}
-            print(f"| {strategy} | " + " | ".join(f"{acc[f]:.3f}" for f in ATTACKS) + " |")
+            acc = {r["fault"]: (f"{r['final_accuracy']:.3f}" + ("" if r["status"] == "completed" else f" ({r['status']})"))
+                   for r in rows if r["strategy"] == strategy}
+            print(f"| {strategy} | " + " | ".join(acc[f] for f in ATTACKS) + " |")
         Path(args.out).write_text(json.dumps({"runs_in": str(root), "rows": rows}, indent=2))
         return
     print("| strategy | fault | status | accepted replies per round (of 5) | final accuracy | models lost |")
