@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from fedmm import protocol
 from tests.fakes import FakeGrid
 
-FUZZ = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+FUZZ = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 #: Anything a ConfigRecord / MetricRecord value can be, the hostile parts first.
 numbers = st.one_of(st.sampled_from([math.nan, math.inf, -math.inf, 0, -1, 0.5, 2**31, 2**62, -(2**62), 1e308]),
@@ -120,7 +120,7 @@ STRATEGIES = ["fedavg", "fedmr", "fedcross", "fedmut", "fedexp", "scaffold", "fe
 
 
 @pytest.mark.parametrize("name", STRATEGIES)
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(how=st.sampled_from(CORRUPTIONS), value=config_values)
 def test_train_replies_of_every_strategy(name: str, how: str, value: object) -> None:
     from fedmm.config import compose
@@ -182,7 +182,7 @@ def test_evaluate_replies(metrics: dict, error: bool) -> None:
 
 # ---------------------------------------------------------------------------- secure phases
 @pytest.mark.parametrize("action", [protocol.SECURE_KEYS, protocol.SECURE_SEND, protocol.SECURE_RETURN, protocol.SECURE_UPLOAD])
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(field=st.sampled_from(["drop-record", "config-value", "swap-record"]), value=config_values)
 def test_secure_phase_replies(action: str, field: str, value: object) -> None:
     from client_app import secure as client_secure
