@@ -346,6 +346,17 @@ def dumps(cfg: DictConfig | Mapping[str, Any]) -> str:
 
 
 # =============================================================================== validate
+def declaration_of(group: str, values: Mapping[str, Any]) -> type[Settings]:
+    """The settings class that a group's values select (``name``; the one declaration of the
+    run-level groups); a ConfigError naming the options when none is declared in this process."""
+    declared = options(group)
+    cls = declared.get("default") if group in RUN_GROUPS else declared.get(values.get("name"))
+    if cls is None:
+        raise ConfigError(f"{group}.name", values.get("name"),
+                          ", ".join(declared) or f"(no {group} declared in this process: install its package)")
+    return cls
+
+
 def validate(cfg: DictConfig | Mapping[str, Any], groups: Sequence[str] = GROUPS) -> RunSettings:
     """Check every value before any training starts, in one pass over the declarations.
 
@@ -371,12 +382,7 @@ def validate(cfg: DictConfig | Mapping[str, Any], groups: Sequence[str] = GROUPS
         if group not in groups:
             chosen[group] = OtherSettings(values=values)
             continue
-        declared = options(group)
-        cls = declared.get("default") if group in RUN_GROUPS else declared.get(values.get("name"))
-        if cls is None:
-            raise ConfigError(f"{group}.name", values.get("name"),
-                              ", ".join(declared) or f"(no {group} declared: install its package)")
-        chosen[group] = cls.from_dict(values, f"{group}.")
+        chosen[group] = declaration_of(group, values).from_dict(values, f"{group}.")
     run = RunSettings.from_dict(top)
     for group, value in chosen.items():
         setattr(run, group, value)
@@ -410,12 +416,7 @@ def client_run(config_json: str) -> RunSettings:
         if group not in CLIENT_GROUPS or (not values and group not in RUN_GROUPS):
             setattr(run, group, OtherSettings(values=values))
             continue
-        declared = options(group)
-        cls = declared.get("default") if group in RUN_GROUPS else declared.get(values.get("name"))
-        if cls is None:
-            raise ConfigError(f"{group}.name", values.get("name"),
-                              ", ".join(declared) or f"(no {group} declared on this node: install its package)")
-        setattr(run, group, cls.lenient(values))
+        setattr(run, group, declaration_of(group, values).lenient(values))
     return run
 
 
