@@ -289,11 +289,15 @@ def decode_train_reply(
     extra_specs: Mapping[str, ArraySpec] | None = None,
     consume: bool = True,
     copy: bool = True,
+    *,
+    arrays_key: str = ARRAYS,
+    weight_key: str = NUM_EXAMPLES,
 ) -> tuple[ClientUpdate | None, str]:
     """Decode and validate a train reply.
 
-    The model is the reply's ``arrays`` record; a reply that carries exactly one ArrayRecord
-    under another name is accepted too (Flower's own strategies accept any name). Each record
+    The model is the reply's ``arrays_key`` record; a reply that carries exactly one ArrayRecord
+    under another name is accepted too (Flower's own strategies accept any name). The
+    reply's ``weight_key`` metric is its example count. Each record
     named in ``extra_specs`` must be present and match its spec.
 
     Returns
@@ -309,12 +313,12 @@ def decode_train_reply(
         return None, f"client error: {printable(client_error(reply.error.reason), 500)}"
     records = reply.content.array_records
     extra_specs = dict(extra_specs or {})
-    if ARRAYS in records:
-        model_record = records[ARRAYS]
+    if arrays_key in records:
+        model_record = records[arrays_key]
     elif not extra_specs and len(records) == 1:
         model_record = next(iter(records.values()))
     else:
-        return None, f"expected an ArrayRecord {ARRAYS!r}, got {sorted(records) or 'none'}"
+        return None, f"expected an ArrayRecord {arrays_key!r}, got {sorted(records) or 'none'}"
     missing = [name for name in extra_specs if name not in records]
     if missing:
         return None, f"missing record(s) {missing}"
@@ -331,10 +335,10 @@ def decode_train_reply(
         if reason:
             return None, f"{name}: {reason}"
     metrics = reply_metrics(reply)
-    reason = check_metrics(metrics)
+    reason = check_metrics(metrics, weight_key)
     if reason:
         return None, reason
-    return ClientUpdate(node, slot, model, metrics[NUM_EXAMPLES], metrics, extras), ""
+    return ClientUpdate(node, slot, model, metrics[weight_key], metrics, extras), ""
 
 
 #: The largest ``num-examples`` a reply may report (a count of examples, not a weight to game).
@@ -385,28 +389,28 @@ def printable(text: str, limit: int = 200) -> str:
     return escaped if len(escaped) <= limit else escaped[: limit - 3] + "..."
 
 
-def check_metrics(metrics: Mapping[str, float]) -> str:
-    """Why a train reply's metrics are unusable, or ``""``: ``num-examples`` must be a whole
-    number in [1, 2**31 - 1] (it weighs the client's model), every metric finite."""
+def check_metrics(metrics: Mapping[str, float], weight_key: str = NUM_EXAMPLES) -> str:
+    """Why a train reply's metrics are unusable, or ``""``: ``weight_key`` (``num-examples``)
+    must be a whole number in [1, 2**31 - 1] (it weighs the client's model), every metric finite."""
     for key, value in metrics.items():
         if not math.isfinite(value):
             return f"metric {printable(key)}={value} is not finite"
-    if NUM_EXAMPLES not in metrics:
-        return f"no {NUM_EXAMPLES} in the reply's metrics"
-    n = metrics[NUM_EXAMPLES]
+    if weight_key not in metrics:
+        return f"no {printable(weight_key)} in the reply's metrics"
+    n = metrics[weight_key]
     if n < 1 or n > MAX_NUM_EXAMPLES or n != int(n):
-        return f"{NUM_EXAMPLES}={n!r} is not a count of examples (a whole number from 1 to {MAX_NUM_EXAMPLES})"
+        return f"{printable(weight_key)}={n!r} is not a count of examples (a whole number from 1 to {MAX_NUM_EXAMPLES})"
     return ""
 
 
-def check_evaluate_metrics(metrics: Mapping[str, float]) -> str:
+def check_evaluate_metrics(metrics: Mapping[str, float], weight_key: str = NUM_EXAMPLES) -> str:
     """Why an evaluate reply's metrics are unusable, or ``""``: every metric finite,
-    ``num-examples`` a count, ``accuracy`` in [0, 1] and ``loss`` >= 0 where present."""
+    ``weight_key`` a count, ``accuracy`` in [0, 1] and ``loss`` >= 0 where present."""
     for key, value in metrics.items():
         if not math.isfinite(value):
             return f"metric {printable(key)}={value} is not finite"
-    if example_count(metrics.get(NUM_EXAMPLES)) is None:
-        return f"{NUM_EXAMPLES}={metrics.get(NUM_EXAMPLES)!r} is not a count of examples"
+    if example_count(metrics.get(weight_key)) is None:
+        return f"{printable(weight_key)}={metrics.get(weight_key)!r} is not a count of examples"
     if "accuracy" in metrics and not 0.0 <= metrics["accuracy"] <= 1.0:
         return f"accuracy={metrics['accuracy']!r} is not in [0, 1]"
     if "loss" in metrics and metrics["loss"] < 0:
@@ -435,19 +439,19 @@ def client_error(reason: str) -> str:
     return lines[-1] if lines else reason
 
 
-def weighted_metrics(metric_dicts: Iterable[Mapping[str, float]]) -> dict[str, float]:
-    """Example-weighted mean of every numeric metric the dicts share (``num-examples`` summed).
+def weighted_metrics(metric_dicts: Iterable[Mapping[str, float]], weight_key: str = NUM_EXAMPLES) -> dict[str, float]:
+    """Example-weighted mean of every numeric metric the dicts share (``weight_key`` summed).
 
-    When no dict reports a positive ``num-examples``, every dict weighs the same.
+    When no dict reports a positive ``weight_key``, every dict weighs the same.
     """
     records = [dict(m) for m in metric_dicts]
     if not records:
         return {}
-    weights = np.array([r.get(NUM_EXAMPLES, 0.0) for r in records], dtype=np.float64)
+    weights = np.array([r.get(weight_key, 0.0) for r in records], dtype=np.float64)
     if weights.sum() <= 0:
         weights = np.ones_like(weights)
-    shared = set(records[0]).intersection(*map(set, records[1:])) - {NUM_EXAMPLES}
-    out = {NUM_EXAMPLES: float(weights.sum())}
+    shared = set(records[0]).intersection(*map(set, records[1:])) - {weight_key}
+    out = {weight_key: float(weights.sum())}
     for key in sorted(shared):
         values = np.array([rec[key] for rec in records], dtype=np.float64)
         out[key] = float((values * weights).sum() / weights.sum())
@@ -468,12 +472,16 @@ def server_message(
     config: Mapping[str, Any],
     arrays: ArrayRecord | None = None,
     extra: Mapping[str, Any] | None = None,
+    *,
+    arrays_key: str = ARRAYS,
+    config_key: str = CONFIG,
 ) -> Message:
-    """A server → node message: ``arrays`` (optional), its own ``config`` copy, extra records."""
+    """A server → node message: ``arrays`` (optional), its own ``config`` copy, extra records;
+    the two records under ``arrays_key`` and ``config_key`` (a ClientApp's conventions)."""
     content: dict[str, Any] = {}
     if arrays is not None:
-        content[ARRAYS] = arrays
-    content[CONFIG] = ConfigRecord(dict(config))
+        content[arrays_key] = arrays
+    content[config_key] = ConfigRecord(dict(config))
     content.update(extra or {})
     return Message(content=RecordDict(content), message_type=message_type, dst_node_id=node_id)
 

@@ -289,6 +289,7 @@ def _run_locked(grid: Grid, cfg: RunSettings, run_dir: Path, checkpoint: dict[st
             start_round=start_round,
             round_end=round_end,
             max_failed_rounds=cfg.max_failed_rounds or None,
+            final_report=False,  # the run directory holds the results
         )
         if recorder.federated:
             recorder.write_json("federated_evaluation.json", {str(r): m for r, m in sorted(recorder.federated.items())})

@@ -21,14 +21,15 @@ nothing: the model they were given stays where it was.
 
 from __future__ import annotations
 
+import io
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from logging import ERROR, INFO, WARNING
 from typing import Any, ClassVar
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 from flwr.supercore import log
@@ -151,6 +152,62 @@ class RunFailed(RuntimeError):
 #: Called after every round with (round, global arrays, result so far).
 RoundEnd = Callable[[int, ArrayRecord, Result], None]
 
+#: Flower's metric aggregation function: (the replies' RecordDicts, the weighting key) -> MetricRecord.
+MetricsAggregation = Callable[[list[RecordDict], str], MetricRecord]
+
+
+@dataclass
+class MultiModelResult(Result):
+    """Flower's :class:`~flwr.serverapp.strategy.Result` plus the server's models.
+
+    ``arrays`` stays the global model (for the multi-model methods the mean of the K models);
+    ``models`` holds the models the server kept after the last round (K for FedMR / FedCross,
+    one for FedAvg), in model-index order; ``evaluate_metrics_models[round]`` holds the
+    ``evaluate_fn`` result of each of them, when the strategy was made with
+    ``evaluate_models=True``.
+    """
+
+    models: list[ArrayRecord] = field(default_factory=list)
+    evaluate_metrics_models: dict[int, list[MetricRecord]] = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        rep = super().__repr__()
+        if self.models:
+            size = sum(len(a.data) for a in self.models[0].values()) / (1024**2)
+            rep += f"\nServer models:\n\t{len(self.models)} ArrayRecord(s) ({size:.3f} MB each)\n"
+        if self.evaluate_metrics_models:
+            rep += "\nServerApp-side Evaluate Metrics of each model:\n"
+            for server_round, records in sorted(self.evaluate_metrics_models.items()):
+                rep += f"\t{server_round}: " + "; ".join(_metrics_text(r) for r in records) + "\n"
+        return rep
+
+
+def _metrics_text(record: Mapping[str, Any] | None) -> str:
+    """A metric record as one short line (4 significant digits)."""
+    if record is None:
+        return "None"
+    return "{" + ", ".join(f"'{k}': {v:.4g}" if isinstance(v, float) else f"'{k}': {v}" for k, v in record.items()) + "}"
+
+
+def default_metrics_aggregation(records: list[RecordDict], weighted_by_key: str) -> MetricRecord:
+    """Flower's default: the mean of every numeric metric the replies share, weighted by
+    ``weighted_by_key`` (summed into the record, as the round's total)."""
+    return MetricRecord(protocol.weighted_metrics(
+        [{k: float(v) for r in rd.metric_records.values() for k, v in r.items() if isinstance(v, (int, float))}
+         for rd in records], weighted_by_key))
+
+
+#: Keyword arguments every strategy takes besides its settings: Flower's record conventions
+#: (the keys a ClientApp reads and writes) and per-model evaluation.
+INTERFACE_DEFAULTS: dict[str, Any] = {
+    "weighted_by_key": protocol.NUM_EXAMPLES,
+    "arrayrecord_key": protocol.ARRAYS,
+    "configrecord_key": protocol.CONFIG,
+    "train_metrics_aggr_fn": None,
+    "evaluate_metrics_aggr_fn": None,
+    "evaluate_models": False,
+}
+
 
 class RoundLoopStrategy(Strategy):
     """Base of every method: selection, per-node dispatch, reply checks, the round loop, state.
@@ -172,6 +229,15 @@ class RoundLoopStrategy(Strategy):
         roster query (nodes ordered by node id).
     settings : StrategySettings, optional
         The method's settings (default: the declared defaults).
+    weighted_by_key, arrayrecord_key, configrecord_key : str, optional
+        As in Flower's strategies: the reply metric that weighs a client ("num-examples"), the
+        record names of the model ("arrays") and of the config ("config") in the messages.
+    train_metrics_aggr_fn, evaluate_metrics_aggr_fn : callable, optional
+        As in Flower's strategies: ``(list[RecordDict], weighted_by_key) -> MetricRecord`` over the
+        accepted replies (default: the example-weighted mean, :func:`default_metrics_aggregation`).
+    evaluate_models : bool, optional
+        Also evaluate each of the server's models with ``evaluate_fn`` after every round (the K
+        models of FedMR / FedCross): logged, and in :attr:`MultiModelResult.evaluate_metrics_models`.
     **changes
         Settings to change from ``settings`` (validated): ``FedMR(4, 0, first_stage_rounds=5)``.
     """
@@ -203,6 +269,11 @@ class RoundLoopStrategy(Strategy):
             raise ValueError(f"clients_per_round must be >= 1, got {clients_per_round}")
         if fraction_evaluate is not None:
             changes["fraction_evaluate"] = fraction_evaluate
+        for name, default in INTERFACE_DEFAULTS.items():  # Flower's conventions, not settings
+            setattr(self, name, changes.pop(name, default))
+        for name in ("weighted_by_key", "arrayrecord_key", "configrecord_key"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"{name} must be a non-empty string, got {getattr(self, name)!r}")
         settings = settings if settings is not None else self.Settings()
         if not isinstance(settings, self.Settings):
             raise TypeError(f"{type(self).__name__} takes {self.Settings.__name__}, got {type(settings).__name__}")
@@ -335,6 +406,7 @@ class RoundLoopStrategy(Strategy):
             self.spec = protocol.array_spec(self.models[0])
         self.round_log = {}
         node_ids = self.selector.select(grid, server_round, self.clients_per_round)
+        log(INFO, "configure_train: Sampled %s nodes (out of %s)", len(node_ids), self._connected(grid))
         self.round_log.update(self.selector.round_info)
         self.prepare_round(server_round, node_ids)
         encoded: dict[int, ArrayRecord] = {}  # encode each server model once per round
@@ -347,7 +419,8 @@ class RoundLoopStrategy(Strategy):
                            protocol.ACCEPTED_ROUND: self.accepted_rounds.get(node_id, 0)}
             messages.append(
                 protocol.server_message(
-                    protocol.TRAIN, node_id, node_config, encoded[index], self.extra_records(server_round, slot)
+                    protocol.TRAIN, node_id, node_config, encoded[index], self.extra_records(server_round, slot),
+                    arrays_key=self.arrayrecord_key, config_key=self.configrecord_key,
                 )
             )
         # Message ids are assigned when the grid pushes the messages: keep their metadata only
@@ -355,6 +428,16 @@ class RoundLoopStrategy(Strategy):
         self._pending = [msg.metadata for msg in messages]
         self._begin_replies(server_round)
         return messages
+
+    def _connected(self, grid: Grid) -> int | str:
+        """How many nodes the selector saw connected (for the sampling log line)."""
+        known = getattr(self.selector, "last_connected", None)
+        if known is not None:
+            return known
+        try:
+            return len(list(grid.get_node_ids()))
+        except Exception:  # noqa: BLE001 - a log line must not stop the round
+            return "?"
 
     def _begin_replies(self, server_round: int) -> None:
         self._slot_of = None
@@ -400,7 +483,8 @@ class RoundLoopStrategy(Strategy):
         where = self._where(node, slot)
         self._round_seen.add(slot)
         update, reason = protocol.decode_train_reply(
-            reply, slot, self.spec, self._round_extras, consume=True, copy=self.writable_updates
+            reply, slot, self.spec, self._round_extras, consume=True, copy=self.writable_updates,
+            arrays_key=self.arrayrecord_key, weight_key=self.weighted_by_key,
         )
         if update is None:
             self._round_rejected.append(f"{where}: {reason}")
@@ -410,7 +494,8 @@ class RoundLoopStrategy(Strategy):
             return
         bound, source = self.examples_bound(node)
         if bound is not None and update.num_examples > bound:
-            self._round_rejected.append(f"{where}: {protocol.NUM_EXAMPLES}={update.num_examples:.0f} exceeds {source} ({bound})")
+            self._round_rejected.append(f"{where}: {protocol.printable(self.weighted_by_key)}={update.num_examples:.0f} "
+                                        f"exceeds {source} ({bound})")
             return
         self._round_updates.append(update)
 
@@ -465,10 +550,11 @@ class RoundLoopStrategy(Strategy):
         updates.sort(key=lambda u: u.slot)
         self.last_replies = len(updates)
         self.last_rejections = rejected
-        log(INFO, "round %d: %d/%d replies accepted", server_round, len(updates), sent)
+        log(INFO, "aggregate_train: Received %s results and %s failures (round %d: %d/%d replies accepted)",
+            len(updates), sent - len(updates), server_round, len(updates), sent)
         for reason in rejected:
             log(WARNING, "\t> rejected: %s", reason)
-        logged = sorted({k for u in updates for k in u.metrics} - {protocol.NUM_EXAMPLES, *protocol.TRAINING_METRICS})
+        logged = sorted({k for u in updates for k in u.metrics} - {self.weighted_by_key, *protocol.TRAINING_METRICS})
         for key in logged:  # a client objective's own metrics
             self.round_log[key.replace("-", "_")] = float(np.mean([u.metrics[key] for u in updates if key in u.metrics]))
         if updates and self.models:
@@ -476,8 +562,7 @@ class RoundLoopStrategy(Strategy):
         self.bound_updates(updates)
         for update in updates:
             self.on_update(server_round, update)
-        metrics = protocol.weighted_metrics(u.metrics for u in updates) if updates else {}
-        metrics["replies"] = float(len(updates))
+        metrics = self.train_metrics(updates)
         previous = (list(self.models or []), self.global_model)
         global_model = self.aggregate(server_round, updates)
         bad = non_finite_key(global_model) or next((k for m in self.models or [] if (k := non_finite_key(m))), None)
@@ -486,8 +571,9 @@ class RoundLoopStrategy(Strategy):
             self.models, self.global_model = previous
             log(ERROR, "round %d: the aggregate has NaN/Inf in %s; the models of the previous round are kept", server_round, bad)
             self.last_replies = 0
-            metrics["replies"] = 0.0
-            return None, MetricRecord(metrics)
+            if "replies" in metrics:
+                metrics["replies"] = 0.0
+            return None, metrics
         if global_model is not None:
             self.global_model = global_model
         for update in updates:
@@ -498,7 +584,19 @@ class RoundLoopStrategy(Strategy):
             for value in model.values():
                 value.setflags(write=False)
         arrays = None if global_model is None else protocol.model_to_record(global_model)
-        return arrays, MetricRecord(metrics)
+        return arrays, metrics
+
+    def train_metrics(self, updates: list[ClientUpdate]) -> MetricRecord:
+        """The round's aggregated train metrics: ``train_metrics_aggr_fn`` over the accepted
+        replies' metrics, or the example-weighted mean plus the count of accepted ``replies``."""
+        if self.train_metrics_aggr_fn is not None:
+            if not updates:
+                return MetricRecord()
+            return self.train_metrics_aggr_fn(
+                [RecordDict({protocol.METRICS: MetricRecord(u.metrics)}) for u in updates], self.weighted_by_key)
+        metrics = protocol.weighted_metrics((u.metrics for u in updates), self.weighted_by_key) if updates else {}
+        metrics["replies"] = float(len(updates))
+        return MetricRecord(metrics)
 
     def _where(self, node: int, slot: int) -> str:
         """How log lines name a node: with the model index when the server keeps several models."""
@@ -514,14 +612,17 @@ class RoundLoopStrategy(Strategy):
         size = max(1, min(num_nodes, int(num_nodes * self.fraction_evaluate)))
         node_config = {**dict(config), protocol.SERVER_ROUND: server_round}
         node_ids = self.selector.select(grid, server_round, size, stream=1)
-        return [protocol.server_message(protocol.EVALUATE, n, node_config, arrays) for n in node_ids]
+        log(INFO, "configure_evaluate: Sampled %s nodes (out of %s)", len(node_ids), num_nodes)
+        return [protocol.server_message(protocol.EVALUATE, n, node_config, arrays, arrays_key=self.arrayrecord_key,
+                                        config_key=self.configrecord_key) for n in node_ids]
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         """Example-weighted mean of the metrics of the valid evaluate replies (no error, every
         metric finite, ``num-examples`` a count, ``accuracy`` in [0, 1], ``loss`` >= 0); each
         rejected reply is logged with its node and reason."""
-        valid = []
+        valid, contents = [], []
         rejected: dict[str, list[int]] = {}  # one line per reason, however many nodes gave it
+        replies = list(replies)
         for reply in replies:
             node = reply.metadata.src_node_id
             if reply.has_error():
@@ -531,21 +632,38 @@ class RoundLoopStrategy(Strategy):
                 rejected.setdefault(reason, []).append(node)
                 continue
             metrics = protocol.reply_metrics(reply)
-            reason = protocol.check_evaluate_metrics(metrics)
+            reason = protocol.check_evaluate_metrics(metrics, self.weighted_by_key)
             if reason:
                 rejected.setdefault(reason, []).append(node)
                 continue
             valid.append(metrics)
+            contents.append(RecordDict({protocol.METRICS: MetricRecord(metrics)}))
+        log(INFO, "aggregate_evaluate: Received %s results and %s failures", len(valid), len(replies) - len(valid))
         for reason, nodes in rejected.items():
             shown = ", ".join(str(n) for n in nodes[:3]) + (f" and {len(nodes) - 3} more" if len(nodes) > 3 else "")
             log(WARNING, "round %d: %d evaluate repl%s rejected (node %s): %s", server_round, len(nodes),
                 "y" if len(nodes) == 1 else "ies", shown, reason)
-        return MetricRecord(protocol.weighted_metrics(valid)) if valid else None
+        if not valid:
+            return None
+        if self.evaluate_metrics_aggr_fn is not None:
+            return self.evaluate_metrics_aggr_fn(contents, self.weighted_by_key)
+        return MetricRecord(protocol.weighted_metrics(valid, self.weighted_by_key))
 
     def summary(self) -> None:
-        """Log the strategy's settings."""
-        log(INFO, "\t├──> %s: %d clients per round, %s", type(self).__name__, self.clients_per_round, self.selector.describe())
-        log(INFO, "\t└──> settings: %s", ", ".join(f"{k}={v}" for k, v in self.settings.to_dict().items() if k != "name"))
+        """Log the strategy's sampling, record keys and settings (after Flower's start lines)."""
+        log(INFO, "\t├──> Sampling:")
+        log(INFO, "\t│\t├──Nodes per round: train (%d) | evaluate (fraction %.2f)", self.clients_per_round,
+            self.fraction_evaluate)
+        log(INFO, "\t│\t└──Selector: %s", self.selector.describe())
+        models = self.num_models if hasattr(self, "num_models") else 1
+        if models > 1:
+            log(INFO, "\t├──> Models: %d on the server, one per selected node%s", models,
+                " (each evaluated after every round)" if self.evaluate_models else "")
+        log(INFO, "\t├──> Keys in records:")
+        log(INFO, "\t│\t├── Weighted by: '%s'", self.weighted_by_key)
+        log(INFO, "\t│\t├── ArrayRecord key: '%s'", self.arrayrecord_key)
+        log(INFO, "\t│\t└── ConfigRecord key: '%s'", self.configrecord_key)
+        log(INFO, "\t└──> Settings: %s", ", ".join(f"{k}={v}" for k, v in self.settings.to_dict().items() if k != "name"))
 
     # ================================================================== the loop
     def send(
@@ -591,24 +709,32 @@ class RoundLoopStrategy(Strategy):
         start_round: int = 1,
         round_end: RoundEnd | None = None,
         max_failed_rounds: int | None = None,
-    ) -> Result:
-        """Run rounds ``start_round`` .. ``num_rounds``.
+        final_report: bool = True,
+    ) -> MultiModelResult:
+        """Run rounds ``start_round`` .. ``num_rounds``; logs as Flower's strategies do.
 
         With ``start_round > 1`` the strategy continues from its current state (restored with
         :meth:`load_state_dict`): no initial evaluation, ``initial_arrays`` is ignored. After
         ``max_failed_rounds`` consecutive rounds in which no reply was accepted, raise
-        :class:`RunFailed` (None: never).
+        :class:`RunFailed` (None: never). ``final_report``: log the whole :class:`Result` at the
+        end, as Flower does (the fedmm runner writes files instead).
         """
-        log(INFO, "Starting %s strategy (rounds %d..%d):", type(self).__name__, start_round, num_rounds)
+        log(INFO, "Starting %s strategy:", type(self).__name__)
+        log(INFO, "\t├── Number of rounds: %d%s", num_rounds, f" (from round {start_round})" if start_round > 1 else "")
+        log(INFO, "\t├── ArrayRecord (%.2f MB)", sum(len(a.data) for a in initial_arrays.values()) / (1024**2))
+        log(INFO, "\t├── ConfigRecord (train): %s", _config_text(train_config))
+        log(INFO, "\t├── ConfigRecord (evaluate): %s", _config_text(evaluate_config))
         self.summary()
+        log(INFO, "")
         train_config = ConfigRecord() if train_config is None else train_config
         evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
-        result = Result()
+        result = MultiModelResult()
         t_start = time.time()
         if start_round <= 1:
             arrays = initial_arrays
             if evaluate_fn:
                 res = evaluate_fn(0, arrays)
+                log(INFO, "Initial global evaluation results: %s", _metrics_text(res))
                 if res is not None:
                     result.evaluate_metrics_serverapp[0] = res
         else:
@@ -618,6 +744,7 @@ class RoundLoopStrategy(Strategy):
             result.arrays = arrays
         failed_rounds = 0
         for current_round in range(max(1, start_round), num_rounds + 1):
+            log(INFO, "")
             log(INFO, "[ROUND %s/%s]", current_round, num_rounds)
             agg_arrays, train_metrics = self.run_round(current_round, grid, arrays, train_config, timeout)
             failed_rounds = failed_rounds + 1 if self.last_replies == 0 else 0
@@ -631,19 +758,59 @@ class RoundLoopStrategy(Strategy):
             if agg_arrays is not None:
                 result.arrays = arrays = agg_arrays
             if train_metrics is not None:
+                log(INFO, "\t└──> Aggregated MetricRecord: %s", _metrics_text(train_metrics))
                 result.train_metrics_clientapp[current_round] = train_metrics
+            if self.round_log:  # the method's own quantities of the round
+                log(INFO, "\t└──> %s: %s", type(self).__name__, _metrics_text(self.round_log))
             eval_replies = self.send(grid, list(self.configure_evaluate(current_round, arrays, evaluate_config, grid)), timeout)
             self.last_evaluate_metrics = None
             if eval_replies:
                 eval_metrics = self.aggregate_evaluate(current_round, eval_replies)
                 if eval_metrics is not None:
+                    log(INFO, "\t└──> Aggregated MetricRecord: %s", _metrics_text(eval_metrics))
                     result.evaluate_metrics_clientapp[current_round] = eval_metrics
                     self.last_evaluate_metrics = dict(eval_metrics)
             if evaluate_fn:
+                log(INFO, "Global evaluation")
                 res = evaluate_fn(current_round, arrays)
+                log(INFO, "\t└──> MetricRecord: %s", _metrics_text(res))
                 if res is not None:
                     result.evaluate_metrics_serverapp[current_round] = res
+                if self.evaluate_models and self.models:
+                    result.evaluate_metrics_models[current_round] = self.evaluate_each_model(current_round, evaluate_fn)
             if round_end:
                 round_end(current_round, arrays, result)
+        result.models = [protocol.model_to_record(m) for m in self.models or []]
+        log(INFO, "")
         log(INFO, "Strategy execution finished in %.2fs", time.time() - t_start)
+        if final_report:
+            log(INFO, "")
+            log(INFO, "Final results:")
+            log(INFO, "")
+            for line in io.StringIO(str(result)):
+                log(INFO, "\t%s", line.strip("\n"))
+            log(INFO, "")
         return result
+
+    def evaluate_each_model(
+        self, server_round: int, evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None]
+    ) -> list[MetricRecord]:
+        """``evaluate_fn`` on each of the server's models (those it sends out next round), logged
+        one line per model; a model the function returns None for gets an empty record."""
+        records = []
+        for index, model in enumerate(self.models or []):
+            res = evaluate_fn(server_round, protocol.model_to_record(model))
+            log(INFO, "\t└──> model %d: %s", index, _metrics_text(res))
+            records.append(res if res is not None else MetricRecord())
+        return records
+
+
+def _config_text(config: ConfigRecord | None) -> str:
+    """A ConfigRecord for the start lines: keys and short values (a long value by its size)."""
+    if not config:
+        return "(empty!)"
+    parts = []
+    for key, value in config.items():
+        text = repr(value)
+        parts.append(f"'{key}': {text if len(text) <= 40 else f'<{len(text)} characters>'}")
+    return "{" + ", ".join(parts) + "}"

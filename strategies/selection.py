@@ -37,6 +37,8 @@ class ClientSelector(ABC):
 
     #: Numbers about the latest training draw, written into the round's row of ``metrics.jsonl``.
     round_info: dict[str, float] = {}
+    #: How many nodes were connected at the last selection (None: not known).
+    last_connected: int | None = None
 
     @abstractmethod
     def select(self, grid: Grid, server_round: int, count: int, stream: int = 0) -> list[int]:
@@ -122,6 +124,7 @@ class SeededRosterSelector(ClientSelector):
                 log(INFO, "Waiting for nodes: %d connected, %d required.", len(node_ids), minimum)
                 last_log = waited
             time.sleep(0.5)
+        self.last_connected = len(node_ids)
         unknown = [n for n in node_ids if n not in self._keys]
         if unknown:
             self._keys.update(self._query_keys(grid, unknown))
