@@ -290,6 +290,7 @@ def _run_locked(grid: Grid, cfg: RunSettings, run_dir: Path, checkpoint: dict[st
             round_end=round_end,
             max_failed_rounds=cfg.max_failed_rounds or None,
             final_report=False,  # the run directory holds the results
+            return_models=False,  # written from the strategy's pool below (no second copy)
         )
         if recorder.federated:
             recorder.write_json("federated_evaluation.json", {str(r): m for r, m in sorted(recorder.federated.items())})

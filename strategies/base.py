@@ -710,6 +710,7 @@ class RoundLoopStrategy(Strategy):
         round_end: RoundEnd | None = None,
         max_failed_rounds: int | None = None,
         final_report: bool = True,
+        return_models: bool = True,
     ) -> MultiModelResult:
         """Run rounds ``start_round`` .. ``num_rounds``; logs as Flower's strategies do.
 
@@ -717,7 +718,9 @@ class RoundLoopStrategy(Strategy):
         :meth:`load_state_dict`): no initial evaluation, ``initial_arrays`` is ignored. After
         ``max_failed_rounds`` consecutive rounds in which no reply was accepted, raise
         :class:`RunFailed` (None: never). ``final_report``: log the whole :class:`Result` at the
-        end, as Flower does (the fedmm runner writes files instead).
+        end, as Flower does (the fedmm runner writes files instead). ``return_models``: put the
+        server's models in :attr:`MultiModelResult.models` (a copy of each; the fedmm runner
+        writes them from the strategy instead).
         """
         log(INFO, "Starting %s strategy:", type(self).__name__)
         log(INFO, "\t├── Number of rounds: %d%s", num_rounds, f" (from round {start_round})" if start_round > 1 else "")
@@ -780,7 +783,8 @@ class RoundLoopStrategy(Strategy):
                     result.evaluate_metrics_models[current_round] = self.evaluate_each_model(current_round, evaluate_fn)
             if round_end:
                 round_end(current_round, arrays, result)
-        result.models = [protocol.model_to_record(m) for m in self.models or []]
+        if return_models:
+            result.models = [protocol.model_to_record(m) for m in self.models or []]
         log(INFO, "")
         log(INFO, "Strategy execution finished in %.2fs", time.time() - t_start)
         if final_report:
