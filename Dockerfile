@@ -7,8 +7,10 @@
 # `flwr` (the image runs as the non-root user `app`, uid 49999, HOME=/app). Only the app's other
 # dependencies are installed here: the app's code is not baked in, `flwr run` ships it to the
 # SuperLink and SuperNodes as a FAB for every run. See docs/deployment.md.
-ARG FLWR_VERSION=1.41.0
-FROM flwr/superexec:${FLWR_VERSION}
+# SUPEREXEC_IMAGE: the base by tag, or by digest (deploy/pin_images.sh writes
+# flwr/superexec:<version>@sha256:... into deploy/images.env; compose passes it here).
+ARG SUPEREXEC_IMAGE=flwr/superexec:1.41.0
+FROM ${SUPEREXEC_IMAGE}
 
 WORKDIR /app
 

@@ -21,6 +21,7 @@ The first tests check the node-data loader on its own (no Flower processes).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -460,3 +461,51 @@ def test_compose_publishes_only_the_superlinks_port_and_on_loopback_by_default()
     for name in ("superlink", "superexec-serverapp"):
         assert any("superexec-auth-secret-file" in str(arg) for arg in services[name]["command"]), name
         assert any("superexec.secret" in str(v) for v in services[name]["volumes"]), name
+
+
+def test_pin_images_writes_digest_references_that_compose_and_the_dockerfile_use(tmp_path: Path) -> None:
+    """deploy/pin_images.sh resolves each Flower image's tag to a digest (here a stand-in
+    `docker` plays the registry) and refuses anything that is not a sha256 digest; with its
+    env file every image of the compose file, and the app image's base, is named by digest."""
+    import yaml
+
+    root = Path(__file__).resolve().parents[1]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "docker"
+    # prints a digest derived from the image name (buildx imagetools inspect REF --format ...)
+    fake.write_text('#!/bin/sh\n[ "$1 $2 $3" = "buildx imagetools inspect" ] || exit 2\n'
+                    'if [ -n "$BAD_DIGEST" ]; then echo "$BAD_DIGEST"; exit 0; fi\n'
+                    'printf "sha256:%s\\n" "$(printf %s "$4" | sha256sum | cut -c1-64)"\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FLWR_VERSION": "1.41.0"}
+    env.pop("BAD_DIGEST", None)
+    out = tmp_path / "images.env"
+    done = subprocess.run(["bash", str(root / "deploy" / "pin_images.sh"), str(out)], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    pinned = dict(line.split("=", 1) for line in out.read_text().splitlines() if line and not line.startswith("#"))
+    for name in ("superlink", "supernode", "superexec"):
+        expected = hashlib.sha256(f"flwr/{name}:1.41.0".encode()).hexdigest()
+        assert pinned[f"{name.upper()}_IMAGE"] == f"flwr/{name}:1.41.0@sha256:{expected}"
+
+    bad = subprocess.run(["bash", str(root / "deploy" / "pin_images.sh"), str(tmp_path / "bad.env")],
+                         env={**env, "BAD_DIGEST": "latest"}, capture_output=True, text=True)
+    assert bad.returncode != 0 and "not a sha256 digest" in bad.stderr and not (tmp_path / "bad.env").exists()
+
+    def expand(value: str, variables: dict[str, str]) -> str:  # compose's ${VAR:-default}, nested
+        pattern = re.compile(r"\$\{(\w+):-((?:[^${}]|\$\{[^}]*\})*)\}")
+        while (m := pattern.search(value)) is not None:
+            value = value[: m.start()] + variables.get(m.group(1), expand(m.group(2), variables)) + value[m.end():]
+        return value
+
+    services = yaml.safe_load((root / "deploy" / "compose.yaml").read_text())["services"]
+    for variables, suffix in ((pinned, "@sha256:"), ({}, ":1.41.0")):
+        for name, svc in services.items():
+            if "build" in svc:  # the app image: built on the (pinned) SuperExec image
+                base = expand(svc["build"]["args"]["SUPEREXEC_IMAGE"], variables)
+                assert base.startswith("flwr/superexec:1.41.0") and suffix in base, (name, base)
+            else:
+                image = expand(svc["image"], variables)
+                assert image.startswith("flwr/super") and suffix in image, (name, image)
+    dockerfile = (root / "Dockerfile").read_text()
+    assert "FROM ${SUPEREXEC_IMAGE}" in dockerfile and "ARG SUPEREXEC_IMAGE=flwr/superexec:1.41.0" in dockerfile
