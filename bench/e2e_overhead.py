@@ -49,6 +49,85 @@ os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+# --------------------------------------------------------------------------- whole-process phases
+#: Wall-clock instants (time.time()) of the phases of a child process, by name; the parent adds
+#: the instant it spawned the child and the instant the child exited.
+MARKS: dict[str, float] = {}
+
+
+def mark(name: str) -> None:
+    """Record the first time ``name`` happens in this process."""
+    MARKS.setdefault(name, time.time())
+
+
+def install_phase_marks() -> None:
+    """Mark Ray's start, the ServerApp's main, the strategy's start and end and every round's
+    end in this (child) process, by wrapping the functions that do them (never in the files)."""
+    import functools
+
+    try:
+        import ray
+    except ImportError:
+        ray = None
+
+    def around(owner: Any, name: str, before: str | None, after: str | None, per_round: bool = False) -> None:
+        fn = getattr(owner, name)
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if before:
+                mark(before)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if after:
+                    mark(after.format(args[1]) if per_round else after)
+
+        setattr(owner, name, wrapper)
+
+    if ray is not None:
+        around(ray, "init", "ray_init_start", "ray_init_end")
+    from flwr.serverapp.strategy import Strategy
+
+    around(Strategy, "start", "strategy_start", "strategy_end")  # Flower's own FedAvg
+    try:
+        from server_app import runner
+        from strategies.base import RoundLoopStrategy
+    except ImportError:
+        return
+    around(runner, "_run_locked", "server_main", None)
+    around(RoundLoopStrategy, "start", "strategy_start", "strategy_end")
+    around(RoundLoopStrategy, "run_round", None, "round_{}_end", per_round=True)
+
+
+def phases(marks: dict[str, float], rounds: int) -> dict[str, float]:
+    """Seconds of each phase of a whole process from its marks (``spawn`` and ``exit`` included).
+
+    Consecutive segments that add up to ``process``: ``imports`` (python and the imports),
+    ``to_server_main`` (until the ServerApp's main runs: the fedmm job starts Ray first, Flower's
+    ``run_simulation`` starts the ServerApp while its backend starts Ray), ``server_setup`` (data,
+    partition, model, strategy), ``round_1`` (the initial evaluation, the roster query, the
+    actors' start and data loading, the first round), ``rounds_2_to_last``,
+    ``after_last_round`` (final files, Ray's shutdown, exit). Besides: ``ray_init`` (the
+    ``ray.init`` call, inside one of the segments) and ``startup`` (everything before round 2
+    minus one steady round)."""
+    m = dict(marks)
+    main = m.get("server_main", m["imports"])
+    out: dict[str, float] = {
+        "process": m["exit"] - m["spawn"],
+        "imports": m["imports"] - m["spawn"],
+        "to_server_main": main - m["imports"],
+        "server_setup": m["strategy_start"] - main,
+        "round_1": m["round_1_end"] - m["strategy_start"],
+        "rounds_2_to_last": m[f"round_{rounds}_end"] - m["round_1_end"],
+        "after_last_round": m["exit"] - m[f"round_{rounds}_end"],
+    }
+    if "ray_init_start" in m:
+        out["ray_init"] = m["ray_init_end"] - m["ray_init_start"]
+    steady = out["rounds_2_to_last"] / max(rounds - 1, 1)
+    out["startup"] = m["round_1_end"] - m["spawn"] - steady
+    return out
+
 
 def num_cores() -> int:
     """Cores this process may use (what Ray detects on a plain Linux machine)."""
@@ -208,6 +287,8 @@ def child_flower(spec: dict[str, Any]) -> dict[str, Any]:
     from launch.cli import run_job
     from fedmm.results import read_metrics
 
+    mark("imports")
+    install_phase_marks()
     cfg = spec["cfg"]
     timers = instrument_server()
     start = time.perf_counter()
@@ -319,6 +400,7 @@ def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
     from server_app.runner import seed_everything
     from strategies.aggregation import mean_models
 
+    mark("imports")
     cfg = spec["cfg"]
     torch.set_num_threads(int(spec["threads"]))
     d, seed = cfg["dataset"], int(cfg["seed"])
@@ -341,6 +423,7 @@ def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
     content = content_for(cfg, client_model)
     update = MultiModelUpdate(cfg) if name in ("fedmr", "fedcross") else None  # else FedAvg's weighted mean
     setup = time.perf_counter() - setup_start
+    mark("strategy_start")
 
     t0 = time.perf_counter()
     seconds: dict[int, float] = {}
@@ -384,6 +467,7 @@ def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
             parts["train_s"] += mid - start
             parts["aggregate_s"] += end - mid
         central_evaluate(server_round, global_state)
+        mark(f"round_{server_round}_end")
 
     out_file = Path(spec["workdir"]) / "final_model.npz"
     np.savez(out_file, **global_state)
@@ -487,6 +571,8 @@ def child_anchor(spec: dict[str, Any]) -> dict[str, Any]:
     from fedmm.models import build_model
     from server_app.runner import seed_everything
 
+    mark("imports")
+    install_phase_marks()
     cfg = spec["cfg"]
     seed, n, k, rounds = int(cfg["seed"]), int(cfg["num_clients"]), int(cfg["clients_per_round"]), int(cfg["num_rounds"])
     node_to_partition: dict[int, int] = {}
@@ -518,6 +604,7 @@ def child_anchor(spec: dict[str, Any]) -> dict[str, Any]:
 
     @server_app.main()
     def _main(grid: Grid, context: Context) -> None:
+        mark("server_main")
         seed_everything(seed)
         train_data, test_data = load_dataset(cfg["dataset"])
         partition_indices(train_data, cfg["partition"], n, seed)
@@ -530,6 +617,8 @@ def child_anchor(spec: dict[str, Any]) -> dict[str, Any]:
             if server_round == 0:
                 clock["t0"] = time.perf_counter()
             seconds[server_round] = time.perf_counter() - clock["t0"]
+            if server_round > 0:
+                mark(f"round_{server_round}_end")
             current["round"] = server_round + 1
             return MetricRecord({"accuracy": accuracy[server_round]})
 
@@ -570,21 +659,44 @@ def child_anchor(spec: dict[str, Any]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- driver
 
 
-def run_child(kind: str, spec: dict[str, Any], workdir: Path, verbose: bool) -> dict[str, Any]:
-    """Run one measurement in a fresh interpreter; return its result dict."""
+def run_child(kind: str, spec: dict[str, Any], workdir: Path, verbose: bool, repeats: int = 1) -> dict[str, Any]:
+    """Run one measurement in a fresh interpreter (``repeats`` times, each in its own fresh
+    interpreter and folder); return the first run's result dict with every run's whole-process
+    phases and their medians (``phases_median``)."""
+    import statistics
+
+    runs = []
+    for index in range(repeats):
+        sub = workdir if index == 0 else workdir / f"repeat{index}"
+        one = dict(spec)
+        if index and "cfg" in one and one["cfg"].get("output_dir"):
+            one["cfg"] = dict(one["cfg"], output_dir=str(sub / "run"))
+        runs.append(_run_child_once(kind, one, sub, verbose))
+    result = runs[0]
+    rounds = int(spec["cfg"]["num_rounds"])
+    result["phases_runs"] = [phases(r["marks"], rounds) for r in runs]
+    result["phases_median"] = {key: statistics.median(p[key] for p in result["phases_runs"])
+                               for key in result["phases_runs"][0]}
+    return result
+
+
+def _run_child_once(kind: str, spec: dict[str, Any], workdir: Path, verbose: bool) -> dict[str, Any]:
     workdir.mkdir(parents=True, exist_ok=True)
     spec = dict(spec, workdir=str(workdir), verbose=verbose)
     (workdir / "spec.json").write_text(json.dumps(spec))
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", kind, str(workdir)]
     log_path = workdir / "log.txt"
+    spawn = time.time()
     with open(log_path, "w") as log:
         proc = subprocess.run(cmd, stdout=None if verbose else log, stderr=subprocess.STDOUT if not verbose else None)
+    exited = time.time()
     if proc.returncode != 0:
         tail = "" if verbose else "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
         raise SystemExit(f"e2e_overhead: {kind} measurement failed (exit {proc.returncode}); log: {log_path}\n{tail}")
     result = json.loads((workdir / "result.json").read_text())
     for key in ("seconds", "accuracy"):
         result[key] = {int(r): v for r, v in result[key].items()}
+    result["marks"] = {**result.get("marks", {}), "spawn": spawn, "exit": exited}
     return result
 
 
@@ -627,6 +739,8 @@ def main() -> None:
     parser.add_argument("--override", nargs="*", default=[], help="further hydra overrides for both sides, e.g. partition.alpha=0.1")
     parser.add_argument("--workdir", default=None, help="where runs and logs go (default: a new temporary folder)")
     parser.add_argument("--verbose", action="store_true", help="show the children's output")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of each measurement, each a fresh process; the whole-process table gives medians")
     parser.add_argument("--out", default=None,
                         help="default: bench/results/e2e_overhead.json (default workload), e2e_overhead_<workload>.json")
     parser.add_argument("--child", nargs=2, metavar=("KIND", "DIR"), help=argparse.SUPPRESS)
@@ -636,6 +750,7 @@ def main() -> None:
         kind, workdir = args.child
         spec = json.loads((Path(workdir) / "spec.json").read_text())
         result = {"flower": child_flower, "plain": child_plain, "anchor": child_anchor}[kind](spec)
+        result["marks"] = dict(MARKS)
         (Path(workdir) / "result.json").write_text(json.dumps(result))
         return
 
@@ -657,7 +772,7 @@ def main() -> None:
         # Flower's own FedAvg: the same per-client work whatever the app's strategy, so run once.
         cfg = compose_cfg(args, "fedavg", args.client_cpus[0], workdir / "anchor" / "run")
         parallel = max(1, int(cores // args.client_cpus[0]))
-        anchor = run_child("anchor", {"cfg": cfg, "parallel": parallel}, workdir / "anchor", args.verbose)
+        anchor = run_child("anchor", {"cfg": cfg, "parallel": parallel}, workdir / "anchor", args.verbose, args.repeats)
         anchor.update(strategy="fedavg", runner=f"Flower FedAvg as is, client_cpus={args.client_cpus[0]:g}",
                       parallel=parallel, threads=max(1, int(args.client_cpus[0])), client_cpus=args.client_cpus[0],
                       num_clients=cfg["num_clients"], clients_per_round=cfg["clients_per_round"],
@@ -681,7 +796,8 @@ def main() -> None:
         plain_rows: list[dict[str, Any]] = []
         for threads in args.threads if "plain" in args.runners else []:
             cfg = compose_cfg(args, strategy, args.client_cpus[0], workdir / strategy / f"plain-t{threads}")
-            res = run_child("plain", {"cfg": cfg, "threads": threads}, workdir / strategy / f"plain-t{threads}", args.verbose)
+            res = run_child("plain", {"cfg": cfg, "threads": threads}, workdir / strategy / f"plain-t{threads}", args.verbose,
+                            args.repeats)
             # The plain loop has the server step of FedAvg, FedMR and FedCross; for any other method
             # it does the same client work with FedAvg's server step (so no accuracy comparison).
             # Likewise it samples clients uniformly: a run with another selector (CluSamp) is compared
@@ -698,7 +814,7 @@ def main() -> None:
             tag = f"flower-c{client_cpus:g}"
             cfg = compose_cfg(args, strategy, client_cpus, workdir / strategy / tag / "run")
             parallel = max(1, int(cores // client_cpus))
-            res = run_child("flower", {"cfg": cfg, "parallel": parallel}, workdir / strategy / tag, args.verbose)
+            res = run_child("flower", {"cfg": cfg, "parallel": parallel}, workdir / strategy / tag, args.verbose, args.repeats)
             threads = max(1, int(client_cpus))
             row = dict(res, strategy=strategy, runner=f"this app, client_cpus={client_cpus:g}",
                        parallel=parallel, threads=threads, client_cpus=client_cpus)
@@ -741,6 +857,19 @@ def main() -> None:
         if b:
             print(f"{'':<10}plain loop threads={reference['threads']} per round: train {b['train_s']:.3f}s, "
                   f"aggregate {b['aggregate_s']:.3f}s, evaluate {b['evaluate_s']:.3f}s", flush=True)
+    print(f"\nWhole process, spawn to exit, median of {args.repeats} run(s) each (seconds):", flush=True)
+    keys = ["process", "startup", "imports", "ray_init", "to_server_main", "server_setup", "round_1", "rounds_2_to_last",
+            "after_last_round"]
+    print(f"{'strategy':<10}{'runner':<36}{'vs plain':>9}{'vs Flower':>10}" + "".join(f"{k:>17}" for k in keys), flush=True)
+    for row in rows:
+        med = row.get("phases_median") or {}
+        plain = next((r for r in rows if r["strategy"] == row["strategy"] and r["runner"].startswith("plain")), None)
+        flower = next((r for r in rows if r["runner"].startswith("Flower FedAvg")), None)
+        row["process_vs_plain"] = med["process"] / plain["phases_median"]["process"] if plain else None
+        row["process_vs_anchor"] = med["process"] / flower["phases_median"]["process"] if flower else None
+        ratio = lambda v: f"{v:.2f}" if v is not None else "—"  # noqa: E731
+        print(f"{row['strategy']:<10}{row['runner']:<36}{ratio(row['process_vs_plain']):>9}{ratio(row['process_vs_anchor']):>10}"
+              + "".join(f"{med[k]:>17.2f}" if k in med else f"{'—':>17}" for k in keys), flush=True)
     print("vs plain: seconds per round / those of the plain loop with the first --threads value; vs Flower: / those of "
           "Flower's built-in FedAvg with a minimal ClientApp (same clients, same work); Δacc and max|Δw|: final "
           "accuracy and largest weight difference of the final global model against the plain loop with the same "

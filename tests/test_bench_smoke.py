@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -19,8 +21,34 @@ def _run(args: list[str]) -> None:
 def test_the_plain_loop_of_the_end_to_end_bench_runs(tmp_path: Path) -> None:
     out = tmp_path / "e2e.json"
     _run(["bench/e2e_overhead.py", "--strategies", "fedmr", "--runners", "plain", "--rounds", "2",
-          "--num-clients", "4", "--clients-per-round", "2", "--local-epochs", "1", "--out", str(out)])
-    assert out.is_file() and json.loads(out.read_text())
+          "--num-clients", "4", "--clients-per-round", "2", "--local-epochs", "1", "--repeats", "2", "--out", str(out)])
+    row = json.loads(out.read_text())["rows"][0]
+    # the whole process, spawn to exit, cut into phases that add up to it, in each of the 2 runs
+    assert len(row["phases_runs"]) == 2
+    for p in row["phases_runs"]:
+        parts = (p["imports"] + p["to_server_main"] + p["server_setup"] + p["round_1"] + p["rounds_2_to_last"]
+                 + p["after_last_round"])
+        assert abs(parts - p["process"]) < 1e-6 and all(v >= 0 for v in p.values()), p
+    assert row["phases_median"]["process"] > 0
+
+
+def test_phases_of_a_simulated_process_from_its_marks() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("e2e_overhead", ROOT / "bench" / "e2e_overhead.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    marks = {"spawn": 100.0, "imports": 103.0, "ray_init_start": 103.5, "ray_init_end": 106.0, "server_main": 108.0,
+             "strategy_start": 110.0, "round_1_end": 115.0, "round_2_end": 117.0, "round_3_end": 119.0, "exit": 122.0}
+    p = bench.phases(marks, 3)
+    assert p == {"process": 22.0, "imports": 3.0, "ray_init": 2.5, "to_server_main": 5.0, "server_setup": 2.0,
+                 "round_1": 5.0, "rounds_2_to_last": 4.0, "after_last_round": 3.0, "startup": 13.0}
+    # Flower's run_simulation: the ServerApp starts while Ray starts; the segments still add up
+    flower = dict(marks, server_main=103.2, ray_init_start=103.4, ray_init_end=109.0)
+    p = bench.phases(flower, 3)
+    assert p["to_server_main"] == pytest.approx(0.2) and p["server_setup"] == pytest.approx(6.8) and p["ray_init"] == pytest.approx(5.6)
+    assert sum(p[k] for k in ("imports", "to_server_main", "server_setup", "round_1", "rounds_2_to_last",
+                              "after_last_round")) == pytest.approx(p["process"])
 
 
 def test_the_objective_cost_bench_runs_the_stateful_objectives(tmp_path: Path) -> None:
