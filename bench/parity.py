@@ -559,6 +559,42 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             "methods": results, "not_run": not_run, "patch_descriptions": PATCHES}
 
 
+def collect(workdir: Path, settings: dict[str, Any], rounds: int) -> dict[str, Any]:
+    """A result from a bench's working folder, e.g. of a run stopped before its end: every
+    (method, seed) whose two sides both finished (their ``result.json``, our completed run
+    directory) counts; the others are left out and listed in ``incomplete``."""
+    import re
+
+    from fedmm.results import read_metrics
+
+    methods: dict[str, Any] = {}
+    incomplete: list[str] = []
+    for method_dir in sorted(p for p in workdir.iterdir() if p.is_dir() and p.name in METHODS):
+        name, method = method_dir.name, METHODS[method_dir.name]
+        runs = []
+        for theirs_dir in sorted(method_dir.glob("theirs_s*")):
+            seed = int(re.fullmatch(r"theirs_s(\d+)", theirs_dir.name).group(1))
+            ours_dir = method_dir / f"ours_s{seed}"
+            summary = ours_dir / "summary.json"
+            done = summary.is_file() and json.loads(summary.read_text()).get("status") == "completed"
+            if not (theirs_dir / "result.json").is_file() or not done:
+                incomplete.append(f"{name} seed {seed}")
+                continue
+            rows = read_metrics(ours_dir)
+            run = {"seed": seed, "theirs": json.loads((theirs_dir / "result.json").read_text()),
+                   "ours": {"rounds": [int(r["round"]) for r in rows], "accuracy": [100.0 * float(r["accuracy"]) for r in rows],
+                            "seconds": json.loads(summary.read_text()).get("seconds"), "run_dir": str(ours_dir)}}
+            check_run(run, rounds)
+            runs.append(run)
+        if runs:
+            methods[name] = {"ours": list(method.ours), "theirs": method.theirs, "their_flags": list(method.flags), "runs": runs}
+    partition = workdir / "partition.json"
+    return {"settings": {**settings, "seeds": sorted({r["seed"] for m in methods.values() for r in m["runs"]})},
+            "workdir": str(workdir), "partition": str(partition),
+            "partition_sha256": hashlib.sha256(partition.read_bytes()).hexdigest() if partition.is_file() else None,
+            "methods": methods, "not_run": {}, "patch_descriptions": PATCHES, "incomplete": incomplete}
+
+
 #: Settings that may differ between result files merged into one table.
 MERGE_FREE = ("seeds", "authors")
 
@@ -719,6 +755,9 @@ def write_markdown(path: Path, block: str) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--authors", default=None, help="a checkout of HMHelloWorld/FedMR (needed unless --merge)")
+    p.add_argument("--collect", default=None, metavar="WORKDIR",
+                   help="run nothing: the result of the runs finished in a bench's --workdir (e.g. one stopped "
+                        "early), with the settings given here")
     p.add_argument("--merge", nargs="+", default=None, metavar="RESULT_JSON",
                    help="run nothing: merge these result files (same settings; methods or seeds run apart) into --out")
     p.add_argument("--methods", nargs="+", default=[*METHODS, *NOT_RUN], help=f"of {[*METHODS, *NOT_RUN]}")
@@ -747,7 +786,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="torch threads of their process (1: as each of our ClientApps; more threads on a busy "
                         "machine made it 8x slower here, same results)")
     args = p.parse_args(argv)
-    if args.authors is None and not args.merge:
+    if args.authors is None and not (args.merge or args.collect):
         p.error("--authors is required (or --merge result files)")
     return args
 
@@ -759,7 +798,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args = parse_args(argv)
     command = "python bench/parity.py " + " ".join(argv)
-    if args.merge:
+    if args.collect:
+        authors = Path(args.authors).resolve() if args.authors else Path(".")
+        result = collect(Path(args.collect).resolve(), settings_of(args, authors), args.rounds)
+        result["command"] = command
+        print(f"parity: collected {sum(len(m['runs']) for m in result['methods'].values())} runs; "
+              f"incomplete: {result['incomplete'] or 'none'}", flush=True)
+    elif args.merge:
         result = merge_results([json.loads(Path(f).read_text()) for f in args.merge])
         result["command"] = command
     else:
@@ -773,7 +818,7 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(markdown_table(rows, result["not_run"], failures))
-    print(f"parity: wrote {out} ({result['seconds']} s)")
+    print(f"parity: wrote {out} ({result.get('seconds', '?')} s)")
     if args.markdown:
         write_markdown(Path(args.markdown), render_markdown(result, command))
         print(f"parity: wrote {args.markdown}")

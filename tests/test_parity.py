@@ -292,3 +292,34 @@ def test_merge_joins_runs_by_method_and_seed_and_refuses_other_settings() -> Non
     other["partition_sha256"] = "def"
     with pytest.raises(SystemExit, match="different partition"):
         parity.merge_results([result([0], ["fedavg"]), other])
+
+
+def test_collect_rebuilds_the_result_of_a_stopped_bench_from_its_folder(tmp_path: Path) -> None:
+    parity = _parity()
+    work = tmp_path / "work"
+
+    def side(method: str, seed: int, theirs: list[float] | None, ours: list[float] | None, status: str = "completed") -> None:
+        if theirs is not None:
+            d = work / method / f"theirs_s{seed}"
+            d.mkdir(parents=True)
+            (d / "result.json").write_text(json.dumps({"initial_accuracy": 9.0, "accuracy": theirs, "rounds": [10, 20]}))
+        if ours is not None:
+            d = work / method / f"ours_s{seed}"
+            d.mkdir(parents=True)
+            rows = [{"round": r, "accuracy": a / 100} for r, a in zip([0, 10, 20], [9.0, *ours])]
+            (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            (d / "summary.json").write_text(json.dumps({"status": status, "seconds": 5.0}))
+
+    side("fedavg", 0, [70.0, 80.0], [71.0, 82.0])
+    side("fedavg", 1, [72.0, 81.0], [70.0, 79.0])
+    side("fedmr", 0, [60.0, 70.0], None)                     # ours never started
+    side("fedmr", 1, [60.0, 70.0], [61.0, 69.0], "failed")   # ours stopped
+    (work / "fedmut" / "theirs_s0").mkdir(parents=True)       # theirs still running
+    (work / "partition.json").write_text("{}")
+    args = parity.parse_args(["--collect", str(work), "--rounds", "20"])
+    result = parity.collect(work, parity.settings_of(args, Path(".")), 20)
+    assert sorted(result["methods"]) == ["fedavg"] and result["settings"]["seeds"] == [0, 1]
+    assert sorted(result["incomplete"]) == ["fedmr seed 0", "fedmr seed 1", "fedmut seed 0"]
+    rows, _ = parity.table_rows(result)
+    assert rows["fedavg"]["delta_final"][0] == pytest.approx(0.0)  # (82-80 + 79-81) / 2
+    assert all(r["initial_match"] for r in result["methods"]["fedavg"]["runs"])
