@@ -8,8 +8,11 @@ every message.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -125,20 +128,22 @@ def _set_threads(run: RunSettings, context: Context) -> None:
             torch.set_num_threads(threads)
 
 
-def seed_for(run: RunSettings, server_round: int, context: Context) -> int:
-    """The seed of this node's round: batch order and dropout depend on (seed, round, node) only."""
+def seed_for(run: RunSettings, server_round: int, context: Context, repeat: int = 0) -> int:
+    """The seed of this node's round: batch order and dropout depend on (seed, round, node) only,
+    and on ``repeat`` (``round-repeat``) for a node's further jobs of one round (asynchronous
+    strategies)."""
     node = int(context.node_config.get("partition-id", context.node_id % (2**31)))
-    return hash((run.seed, server_round, node)) % (2**63)
+    return hash((run.seed, server_round, node) + ((repeat,) if repeat else ())) % (2**63)
 
 
 def local_training(
-    run: RunSettings, context: Context, server_round: int, model: LayeredModel, content: Any = None
+    run: RunSettings, context: Context, server_round: int, model: LayeredModel, content: Any = None, repeat: int = 0
 ) -> tuple[dict[str, float], dict[str, Any]]:
     """Train ``model`` in place on this node's data with the configured local-update plugin;
     return the metrics and the plugin's extra reply records."""
     _set_threads(run, context)
     data = local_data(run, context)
-    seed = seed_for(run, server_round, context)
+    seed = seed_for(run, server_round, context, repeat)
     generator = torch.Generator().manual_seed(seed)  # batch order
     torch.manual_seed(seed)  # dropout (VGG-16) draws from the global generator
     update = build_local_update(run, context.state, content)
@@ -151,12 +156,45 @@ def local_training(
     return metrics, extra
 
 
+class ClientOutOfMemory(RuntimeError):
+    """CUDA ran out of memory in this ClientApp; the message says what to change."""
+
+
+@contextlib.contextmanager
+def cuda_memory_advice(run: RunSettings, what: str) -> Iterator[None]:
+    """Turn CUDA's out-of-memory error into one the server log makes useful: the node's memory is
+    freed first (so the ClientApp's next message, in the same long-lived Ray actor, starts
+    clean), then :class:`ClientOutOfMemory` says how much the device has and which settings
+    size the demand (the server logs it as the node's rejected reply; the round goes on)."""
+    try:
+        yield
+    except torch.cuda.OutOfMemoryError as err:
+        gc.collect()
+        free_text = ""
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+            try:
+                free, total = torch.cuda.mem_get_info()
+                free_text = f" ({free / 2**20:.0f} MiB free of {total / 2**20:.0f} MiB after freeing this client's memory)"
+            except RuntimeError:
+                pass
+        share = run.simulation.client_gpus
+        per_gpu = f"{int(1 / share)} ClientApps per GPU" if share > 0 else "no GPU share reserved"
+        raise ClientOutOfMemory(
+            f"CUDA out of memory during {what}{free_text}: simulation.client_gpus={share:g} ({per_gpu}); "
+            f"give each ClientApp a larger share (fewer at once), or lower training.batch_size="
+            f"{run.training.batch_size}; docs/performance.md, 'CUDA out of memory'. [{str(err).splitlines()[0][:200]}]"
+        ) from None
+
+
 def train_reply(msg: Message, context: Context) -> Message:
     """The reply to a train message: the received model trained on the local data."""
     run = client_run(protocol.run_config_text(msg))
     _set_threads(run, context)
-    model = model_from_message(run, msg)
-    metrics, extra = local_training(run, context, protocol.server_round(msg), model, msg.content)
+    with cuda_memory_advice(run, "local training"):
+        model = model_from_message(run, msg)
+        repeat = int(msg.content[protocol.CONFIG].get(protocol.ROUND_REPEAT, 0))
+        metrics, extra = local_training(run, context, protocol.server_round(msg), model, msg.content, repeat)
     records = {protocol.ARRAYS: model_record(model), protocol.METRICS: MetricRecord(metrics)}
     records.update(extra)
     return protocol.reply_message(msg, records)
@@ -178,6 +216,7 @@ def evaluate_reply(msg: Message, context: Context) -> Message:
     run = client_run(protocol.run_config_text(msg))
     _set_threads(run, context)
     data = local_data(run, context, part="test")
-    model = model_from_message(run, msg)
-    metrics = evaluate_model(model, data, resolve_device(run.training.device))
+    with cuda_memory_advice(run, "evaluation"):
+        model = model_from_message(run, msg)
+        metrics = evaluate_model(model, data, resolve_device(run.training.device))
     return protocol.reply_message(msg, {protocol.METRICS: MetricRecord(metrics)})

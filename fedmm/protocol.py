@@ -95,6 +95,10 @@ TRAINING_METRICS = ("train_loss", "train_time")
 SERVER_ROUND = "server-round"
 #: ``config``: index of the server model a train message carries (multi-model methods).
 MODEL_INDEX = "model-index"
+#: ``config`` of an asynchronous strategy's train message: how many train messages of the same
+#: ``server-round`` this node got before this one (absent: none). The client mixes it into its
+#: seed, so that two jobs of one node never share a batch order (strategies/asynchronous.py).
+ROUND_REPEAT = "round-repeat"
 #: ``config``: the run's resolved configuration as JSON (fedmm ClientApps read it).
 RUN_CONFIG = "fedmm-config"
 #: ``config`` of a QUERY: asks a node for its stable key.

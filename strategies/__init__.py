@@ -19,6 +19,7 @@ from flwr.serverapp.strategy import Strategy
 
 from fedmm.config import as_run, discover
 from strategies.base import RoundLoopStrategy, StrategySettings
+from strategies.heterogeneity import LocalWork
 from strategies.selection import ClientSelector, SeededRosterSelector
 
 __all__ = ["build_strategy", "ClientSelector", "RoundLoopStrategy", "SeededRosterSelector", "StrategySettings"]
@@ -35,6 +36,8 @@ def build_strategy(cfg: Any) -> Strategy:
     if isinstance(strategy.selector, SeededRosterSelector):
         strategy.selector.min_nodes_timeout = float(run.min_nodes_timeout) or None
         strategy.selector.query = True  # the fedmm ClientApp answers the roster query
+    if isinstance(strategy, RoundLoopStrategy):  # the virtual clock models the clients' local work
+        strategy.clock.work = LocalWork.from_run(run)
     return strategy
 
 

@@ -18,7 +18,7 @@ def mean_models(models: Sequence[Mapping[str, np.ndarray]]) -> ModelDict:
         for model in models[1:]:
             acc += model[key]
         acc /= k
-        out[key] = acc if acc.dtype == first.dtype else np.rint(acc).astype(first.dtype)
+        out[key] = acc if acc.dtype == first.dtype else np.asarray(np.rint(acc)).astype(first.dtype)  # 0-d stays an array
     return out
 
 
@@ -35,7 +35,7 @@ def weighted_mean_models(models: Sequence[Mapping[str, np.ndarray]], weights: Se
         for model, weight in zip(models[1:], p[1:]):
             np.multiply(model[key], weight, out=tmp, casting="unsafe")
             acc += tmp
-        out[key] = acc if floating else np.rint(acc).astype(first.dtype)
+        out[key] = acc if floating else np.asarray(np.rint(acc)).astype(first.dtype)
     return out
 
 

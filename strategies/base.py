@@ -40,6 +40,7 @@ from fedmm.errors import ConfigError
 from fedmm.protocol import ClientUpdate, ModelDict
 from fedmm.settings import Choice, Int, Nullable, Number, Settings, setting
 from strategies.aggregation import bound_update_norm, robust_mean_models
+from strategies.heterogeneity import NEUTRAL, HeterogeneitySettings, VirtualClock
 from strategies.selection import ClientSelector, SeededRosterSelector
 
 #: Seconds between two pulls while replies are outstanding (a reply waits at most this long
@@ -129,9 +130,12 @@ class StrategySettings(Settings):
 
     defence: DefenceSettings = setting(DefenceSettings(), help="optional defences against hostile updates "
                                        "(docs/reliability.md)")
+    heterogeneity: HeterogeneitySettings = setting(HeterogeneitySettings(), help="client speeds, availability and "
+                                                   "deadlines on a virtual clock (docs/async.md)")
 
     #: Declared after runs were made: the values that reproduce those runs.
-    added = {"max_num_examples": None, "defence": {"clip_update_norm": None, "robust_mean": "none", "trim_fraction": 0.1}}
+    added = {"max_num_examples": None, "defence": {"clip_update_norm": None, "robust_mean": "none", "trim_fraction": 0.1},
+             "heterogeneity": NEUTRAL}
 
     def check(self, run: Any) -> None:
         """Clients evaluate on rows they never train on: fraction_evaluate > 0 needs a held-out part."""
@@ -284,6 +288,8 @@ class RoundLoopStrategy(Strategy):
         # query handler); the fedmm app turns the query on (strategies.build_strategy).
         self.selector = selector or SeededRosterSelector(seed, query=False)
         self.rng = np.random.default_rng([seed, 0x5EED])
+        #: Virtual time and the clients' speeds (strategies/heterogeneity.py); `build_strategy` sets its work model.
+        self.clock = VirtualClock(getattr(self.settings, "heterogeneity", None), seed)
         #: The server's models (FedAvg: one; multi-model methods: K).
         self.models: list[ModelDict] | None = None
         #: The model evaluated and saved as the run's result.
@@ -382,6 +388,7 @@ class RoundLoopStrategy(Strategy):
             "rng": self.rng.bit_generator.state,
             "selector": self.selector.state_dict(),
             "accepted_rounds": dict(self.accepted_rounds),
+            "clock": self.clock.state_dict(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -392,6 +399,8 @@ class RoundLoopStrategy(Strategy):
         self.rng.bit_generator.state = state["rng"]
         self.selector.load_state_dict(state["selector"])
         self.accepted_rounds = {int(k): int(v) for k, v in state.get("accepted_rounds", {}).items()}
+        if "clock" in state:  # checkpoints before the virtual clock have none
+            self.clock.load_state_dict(state["clock"])
 
     # ================================================================== Flower Strategy API
     def configure_train(
@@ -499,6 +508,16 @@ class RoundLoopStrategy(Strategy):
             return
         self._round_updates.append(update)
 
+    def close_virtual_round(self, updates: list[ClientUpdate], rejected: list[str]) -> list[ClientUpdate]:
+        """The round on the virtual clock (:meth:`~strategies.heterogeneity.VirtualClock.close_round`):
+        replies of stragglers past ``heterogeneity.deadline`` and of clients that were or went
+        offline are rejected; ``virtual_time`` goes into the round's log."""
+        nodes = [metadata.dst_node_id for metadata in self._pending]
+        kept, late = self.clock.close_round(nodes, updates, self.selector)
+        rejected.extend(f"{self._where(nodes[slot], slot)}: {reason}" for slot, reason in late)
+        self.round_log["virtual_time"] = self.clock.now
+        return kept
+
     def bound_updates(self, updates: list[ClientUpdate]) -> None:
         """``defence.clip_update_norm``: scale each update down to the bound, against the model
         its slot was sent; the round logs how many were scaled and the largest norm seen."""
@@ -546,6 +565,7 @@ class RoundLoopStrategy(Strategy):
             if slot not in seen:
                 rejected.append(f"{self._where(metadata.dst_node_id, slot)}: no reply within the round timeout")
         sent = len(self._pending)
+        updates = self.close_virtual_round(updates, rejected)
         self._pending, self._slot_of = [], None
         updates.sort(key=lambda u: u.slot)
         self.last_replies = len(updates)

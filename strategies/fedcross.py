@@ -94,14 +94,16 @@ class FedCross(MultiModelStrategy):
         return dynamic_alpha(server_round, self.alpha, self.dynamic_alpha_rounds, start_round=start)
 
     def update_models(self, server_round: int, models: list[ModelDict], trained: list[int]) -> list[ModelDict]:
-        """Stage 1 reset, propeller fusion, or cross-aggregation (see the module docstring)."""
+        """Stage 1 reset, propeller fusion, or cross-aggregation (see the module docstring), among
+        the models given (all K; the asynchronous FedCross gives the B that came back)."""
+        k = len(models)
         if server_round <= self.first_stage_rounds:
-            return [mean_models(models)] * self.num_models
+            return [mean_models(models)] * k
         if server_round <= self.first_stage_rounds + self.propeller_rounds:
             self.last_alpha = self.propeller_alpha
-            return cross_aggregate(models, propellers(self.num_models, self.num_propellers), self.propeller_alpha, consume=True)
+            return cross_aggregate(models, propellers(k, self.num_propellers), self.propeller_alpha, consume=True)
         sim = None if self.selection == "in-order" else model_similarity(models, self.similarity)
-        partners = collaborative_models(sim, self.selection, server_round, self.num_models)
+        partners = collaborative_models(sim, self.selection, server_round, k)
         self.last_alpha = self.alpha_at(server_round)
         # the trained models are not needed afterwards: cross_aggregate releases them key by key
         return cross_aggregate(models, partners, self.last_alpha, consume=True)

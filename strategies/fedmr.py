@@ -101,5 +101,5 @@ class FedMR(MultiModelStrategy):
         """Stage 1: every model becomes the mean; stage 2: recombine."""
         if server_round <= self.first_stage_rounds:
             aggregate = mean_models(models)
-            return [aggregate] * self.num_models
+            return [aggregate] * len(models)
         return recombine(models, self.rng, self.granularity, self.segments)

@@ -177,6 +177,11 @@ class SeededRosterSelector(ClientSelector):
         """The node's number of training examples, where it reported one in the roster query."""
         return self._examples.get(node_id)
 
+    def roster_keys(self) -> list[str]:
+        """The stable keys of every node ordered so far (the roster the virtual clock's exact
+        shares are taken over: :mod:`strategies.heterogeneity`)."""
+        return sorted(self._keys.values())
+
     def all_num_examples(self) -> dict[int, int]:
         """Node id -> training examples, of every node that reported its size."""
         return dict(self._examples)
