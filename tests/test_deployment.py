@@ -445,6 +445,25 @@ def test_fedmr_runs_on_the_two_good_nodes(deployment: Deployment) -> None:
         assert {name.split("/")[0] for name in pool.files} == {"0", "1"}  # K = 2 models kept
 
 
+def test_fedbuff_and_async_fedcross_run_on_real_supernodes_on_the_real_clock(deployment: Deployment) -> None:
+    """The asynchronous loop on a real SuperLink (push / pull, no round barrier) with the wall
+    clock: FedBuff (C = 2, B = 1) and the asynchronous FedCross (K = 2, B = 1) on the two good
+    nodes; every aggregation is a row with its (wall) virtual_time."""
+    if deployment.procs["supernode-bad"].poll() is None:
+        deployment.stop("supernode-bad")
+    for strategy in ("fedbuff", "fedcross_async"):
+        out = deployment.root / strategy
+        config = RUN_CONFIG.format(k=2, out=out).replace(
+            "overrides='", "overrides='strategy.heterogeneity.clock=real strategy.buffer_size=1 ")
+        stream, run_id = deployment.run_app(strategy, config + f" strategy='{strategy}'", timeout=600)
+        assert deployment.run_status(run_id) == "finished:completed", stream[-4000:]
+        rows = read_metrics(out)
+        assert [r["round"] for r in rows] == [0, 1, 2], stream[-4000:]
+        times = [r["virtual_time"] for r in rows[1:]]
+        assert times[0] > 0 and times[1] >= times[0], rows
+        assert rows[-1]["accuracy"] > 0.1 and rows[-1]["loss"] < rows[0]["loss"], rows
+
+
 def test_compose_publishes_only_the_superlinks_port_and_on_loopback_by_default() -> None:
     """Only the SuperLink's one port leaves the Compose network, bound to 127.0.0.1 unless the
     operator names the clients' interface; the SuperExecs need the shared secret."""
