@@ -44,15 +44,20 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="cnn")
-    parser.add_argument("--clients", type=int, default=10)
+    parser.add_argument("--clients", type=int, default=10, help="clients trained (partitions 0 .. clients-1)")
+    parser.add_argument("--partitions", type=int, default=None,
+                        help="partitions the data is split into (default: --clients); more partitions, smaller clients")
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds (after one untimed round)")
     parser.add_argument("--training", default="fedrl_paper")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "objective_cost.json"))
     args = parser.parse_args()
+    partitions = args.partitions or args.clients
+    if partitions < args.clients:
+        parser.error(f"--partitions {partitions} is fewer than --clients {args.clients}")
     torch.set_num_threads(1)
     cfgs = {m: to_container(compose([f"strategy={m}", f"model={args.model}", f"training={args.training}",
-                                     f"num_clients={args.clients}", f"clients_per_round={args.clients}", "partition.alpha=0.5"]))
+                                     f"num_clients={partitions}", f"clients_per_round={args.clients}", "partition.alpha=0.5"]))
             for m in args.methods}
     d = next(iter(cfgs.values()))["dataset"]
     load_dataset(d)
@@ -62,7 +67,7 @@ def main() -> None:
         for pid in range(args.clients):
             for method in args.methods:
                 cfg = cfgs[method]
-                data = load_partition(d, cfg["partition"], pid, args.clients, cfg["seed"])
+                data = load_partition(d, cfg["partition"], pid, partitions, cfg["seed"])
                 torch.manual_seed(rnd)
                 model = model_for(cfg, input_spec(d))
                 content = content_for(cfg, model)
@@ -80,7 +85,7 @@ def main() -> None:
         print(f"{METHODS[name]:<14}{sec:>18.3f}{100 * (sec / base - 1):>15.1f}%")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"model": args.model, "training": args.training, "clients": args.clients,
+    out.write_text(json.dumps({"model": args.model, "training": args.training, "clients": args.clients, "partitions": partitions,
                                "rounds": args.rounds, "seconds_per_client_round": results}, indent=2))
 
 

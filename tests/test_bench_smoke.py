@@ -53,6 +53,6 @@ def test_phases_of_a_simulated_process_from_its_marks() -> None:
 
 def test_the_objective_cost_bench_runs_the_stateful_objectives(tmp_path: Path) -> None:
     out = tmp_path / "cost.json"
-    _run(["bench/objective_cost.py", "--clients", "2", "--rounds", "1", "--methods", "fedavg", "scaffold", "fedgen",
+    _run(["bench/objective_cost.py", "--clients", "2", "--partitions", "20", "--rounds", "1", "--methods", "fedavg", "scaffold", "fedgen",
           "--out", str(out)])
     assert out.is_file() and json.loads(out.read_text())

@@ -341,7 +341,8 @@ def run_first_round(cfg: dict[str, Any], data: dict[str, Path], num_clients: int
     real ClientApp (their partitions, their state); every sampled client must reply and the
     trained model must be finite and differ from the initial one."""
     cfg = copy.deepcopy(cfg)
-    cfg["dataset"]["path"] = str(data[cfg["dataset"]["name"]])
+    if cfg["dataset"]["name"] in data:  # the embedded data (mnist5k) needs no folder
+        cfg["dataset"]["path"] = str(data[cfg["dataset"]["name"]])
     cfg.update(num_clients=num_clients, clients_per_round=per_round, num_rounds=1)
     cfg["simulation"]["num_supernodes"] = num_clients
     cfg["training"]["local_epochs"] = 1

@@ -5,9 +5,10 @@ with rounds 0-4 of the recorded 5-round runs (no round before the last depends o
 
 ``tests/fixtures/same_results/<preset>.jsonl`` are the metrics of
 ``fedmm -m strategy=<preset> num_rounds=5 seed=0``, recorded at a10fca9 (before the settings
-redesign) with torch 2.14.1, the version ``pyproject.toml`` pins (the earlier fixtures came from
-an earlier torch build, whose arithmetic differs from round 2 on: docs/architecture.md, "Same
-results"). Accuracy, loss, byte counts and reply counts must match exactly.
+redesign) with torch 2.14.1, the version ``pyproject.toml`` pins. Byte and reply counts must
+match exactly; accuracy to ``ACCURACY_TOL`` and the test loss to ``LOSS_REL``: the same code and
+torch build on another CPU (its oneDNN / MKL kernels sum in another order) drifts from round 2
+on (docs/architecture.md, "Same results").
 
 FedMR and FedCross are checked through the resume path (one real ``fedmm`` run killed after its
 round-2 checkpoint, then ``fedmm resume=<dir>``); the other presets (FedAvg among them) run
@@ -32,7 +33,13 @@ from tests.conftest import pids_mentioning
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 FIXTURES = REPO / "tests" / "fixtures" / "same_results"
-EXACT = ("round", "accuracy", "bytes_sent", "bytes_received", "replies")
+EXACT = ("round", "bytes_sent", "bytes_received", "replies")
+#: Measured on an AMD EPYC host (AVX2 kernels) against the fixtures recorded on another host, the
+#: five straight presets over rounds 1-4: accuracy within 0.002 (2 of the 1,000 test images), loss
+#: within 9.3e-5 relative. The tolerances are 5x and 20x that; a changed method or setting moves the
+#: metrics further (test_the_tolerances_tell_methods_apart).
+ACCURACY_TOL = 0.01
+LOSS_REL = 2e-3
 def fixture(name: str) -> list[dict]:
     return [json.loads(line) for line in (FIXTURES / f"{name}.jsonl").read_text().splitlines()]
 
@@ -43,7 +50,17 @@ def assert_same_results(rows: list[dict], expected: list[dict]) -> None:
         for key in EXACT:
             if key in want:  # round 0 has no replies
                 assert row.get(key) == want[key], (row["round"], key, row.get(key), want[key])
-        assert row["loss"] == want["loss"], row["round"]
+        assert abs(row["accuracy"] - want["accuracy"]) <= ACCURACY_TOL, (row["round"], "accuracy", row["accuracy"], want["accuracy"])
+        assert row["loss"] == pytest.approx(want["loss"], rel=LOSS_REL, abs=0), (row["round"], "loss", row["loss"], want["loss"])
+
+
+@pytest.mark.parametrize(("one", "other"), [("fedavg", "fedrl"), ("fedmr", "fedmr_two_stage"), ("fedcross", "fedcross_accel")])
+def test_the_tolerances_tell_methods_apart(one: str, other: str) -> None:
+    """The comparison is not so loose that another method's recorded run passes for this one's
+    (FedRL's review loss, FedMR's first stage, FedCross's acceleration all differ within 2 rounds)."""
+    with pytest.raises(AssertionError):
+        assert_same_results(fixture(other)[:3], fixture(one)[:3])
+    assert_same_results(fixture(one), fixture(one))
 
 
 def test_presets_give_the_recorded_results(tmp_path: Path) -> None:
