@@ -40,6 +40,8 @@ EXACT = ("round", "bytes_sent", "bytes_received", "replies")
 #: metrics further (test_the_tolerances_tell_methods_apart).
 ACCURACY_TOL = 0.01
 LOSS_REL = 2e-3
+
+
 def fixture(name: str) -> list[dict]:
     return [json.loads(line) for line in (FIXTURES / f"{name}.jsonl").read_text().splitlines()]
 
