@@ -52,9 +52,9 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "objective_cost.json"))
     args = parser.parse_args()
-    partitions = args.partitions or args.clients
+    partitions = args.clients if args.partitions is None else args.partitions
     if partitions < args.clients:
-        parser.error(f"--partitions {partitions} is fewer than --clients {args.clients}")
+        parser.error(f"--partitions {partitions} is fewer than --clients {args.clients} (each trained client is a partition)")
     torch.set_num_threads(1)
     cfgs = {m: to_container(compose([f"strategy={m}", f"model={args.model}", f"training={args.training}",
                                      f"num_clients={partitions}", f"clients_per_round={args.clients}", "partition.alpha=0.5"]))
