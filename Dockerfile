@@ -9,7 +9,7 @@
 # SuperLink and SuperNodes as a FAB for every run. See docs/deployment.md.
 # SUPEREXEC_IMAGE: the base by tag, or by digest (deploy/pin_images.sh writes
 # flwr/superexec:<version>@sha256:... into deploy/images.env; compose passes it here).
-ARG SUPEREXEC_IMAGE=flwr/superexec:1.41.0
+ARG SUPEREXEC_IMAGE=flwr/superexec:1.42.0
 FROM ${SUPEREXEC_IMAGE}
 
 WORKDIR /app

@@ -11,7 +11,7 @@
 set -euo pipefail
 
 out=${1:-"$(dirname "$0")/images.env"}
-version=${FLWR_VERSION:-1.41.0}
+version=${FLWR_VERSION:-1.42.0}
 
 digest_of() {
     local ref=$1 found

@@ -131,9 +131,28 @@ def start_local_ray(init_args: dict[str, Any]) -> bool:
     return True
 
 
+def prepare_server_data(cfg: Any) -> None:
+    """Load what the ServerApp's set-up asks for first: the dataset, the partition and the plotting
+    classes (all cached per process). Run in a thread while Ray starts (``ray.init`` mostly waits
+    for the processes it spawns), so the set-up finds them ready. Draws from no global random
+    stream (partitions use their own generators). An error is left for the ServerApp, which
+    raises it in context."""
+    try:
+        from fedmm.data import load_dataset, partition_indices
+
+        train, _ = load_dataset(cfg.dataset)
+        if not cfg.resume:
+            partition_indices(train, cfg.partition, cfg.num_clients, cfg.seed)
+        from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: F401
+        from matplotlib.figure import Figure  # noqa: F401
+    except Exception:  # noqa: BLE001 (the ServerApp meets it again and reports it)
+        pass
+
+
 def run_job(settings: Any) -> Path:
     """Run one experiment (its settings, or a plain config: validated here) on the simulation
     engine and return its results directory."""
+    import threading
     import warnings
 
     from flwr.app import Context
@@ -149,10 +168,14 @@ def run_job(settings: Any) -> Path:
     out: dict[str, Path] = {}
     server_app = ServerApp()
 
+    prepared = threading.Thread(target=prepare_server_data, args=(cfg,), name="fedmm-prepare", daemon=True)
+    prepared.start()  # beside Ray's start; the ServerApp waits for it (no work done twice)
+
     @server_app.main()
     def _main(grid: Grid, context: Context) -> None:
         try:
-            out["dir"] = run_experiment(grid, cfg)
+            prepared.join()
+            out["dir"] = run_experiment(grid, cfg, num_supernodes=cfg.simulation.num_supernodes)
         except BaseException as err:  # Flower logs it and returns: keep it to fail the job
             out["error"] = err
             raise

@@ -84,14 +84,19 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def federation_size(grid: Grid, settle: float = 1.0, timeout: float = 60.0) -> int:
-    """Number of SuperNodes once it stops growing (the simulation registers them progressively)."""
+def federation_size(grid: Grid, settle: float = 1.0, timeout: float = 60.0, expected: int | None = None) -> int:
+    """Number of SuperNodes once it stops growing (the simulation registers them progressively).
+
+    ``expected``: the number the caller started the simulation with (``fedmm`` knows it); the
+    count is returned as soon as it reaches it, without waiting ``settle`` seconds for more."""
     start = changed = time.monotonic()
     last = -1
     while True:
         raise_if_stopped()
         count = len(list(grid.get_node_ids()))
         now = time.monotonic()
+        if expected is not None and count >= expected:
+            return count
         if count != last:
             last, changed = count, now
         elif count > 0 and now - changed >= settle:
@@ -101,9 +106,22 @@ def federation_size(grid: Grid, settle: float = 1.0, timeout: float = 60.0) -> i
         time.sleep(0.1)
 
 
-def fit_federation_size(run: RunSettings, grid: Grid) -> None:
+#: Federation size of each simulated run (Flower's run id): a simulation's SuperNodes are fixed
+#: for its lifetime, so several experiments on one simulation wait for it once.
+_FEDERATION_SIZES: dict[int, int] = {}
+
+
+def fit_federation_size(run: RunSettings, grid: Grid, expected: int | None = None) -> None:
     """`flwr run` sets the number of SuperNodes in the federation config; it wins over num_clients."""
-    connected = federation_size(grid)
+    try:
+        run_id = int(grid.run.run_id)
+    except (AttributeError, TypeError, ValueError):  # a grid without a run: no cache
+        run_id = None
+    connected = _FEDERATION_SIZES.get(run_id) if run_id is not None else None
+    if connected is None:
+        connected = federation_size(grid, expected=expected)
+        if run_id is not None and connected:
+            _FEDERATION_SIZES[run_id] = connected
     if connected and connected != run.num_clients:
         log(WARNING, "num_clients=%d but the federation has %d SuperNodes: using %d clients.", run.num_clients, connected, connected)
         run.num_clients = connected
@@ -133,15 +151,18 @@ def plot_title(run: RunSettings) -> str:
     return f"{method} · {run.model.name} · {run.dataset.name} · {partition} · seed {run.seed}"
 
 
-def run_experiment(grid: Grid, settings: RunSettings | Mapping[str, Any], simulation: bool = True) -> Path:
+def run_experiment(grid: Grid, settings: RunSettings | Mapping[str, Any], simulation: bool = True,
+                   num_supernodes: int | None = None) -> Path:
     """Run (or, with ``resume``, continue) the configured experiment on ``grid``; return the run directory.
 
     ``settings``: the run's settings (:func:`fedmm.config.validate`; a plain config is validated).
+    ``num_supernodes``: the size of the simulated federation when the caller started it (no
+    waiting for the registration of the SuperNodes to settle).
     """
     cfg = validate(settings)  # this run's own copy
     checkpoint = load_checkpoint(cfg.resume) if cfg.resume else None
     if simulation:
-        fit_federation_size(cfg, grid)
+        fit_federation_size(cfg, grid, expected=num_supernodes)
     if checkpoint is not None:
         run_dir = Path(cfg.resume).expanduser().resolve()
         done = int(checkpoint["round"])

@@ -165,7 +165,7 @@ def test_nothing_imports_the_composition_root() -> None:
 
 def test_importing_the_client_app_loads_no_server_code() -> None:
     """A ClientApp process loads neither our strategies nor our ServerApp, and no part of
-    ``flwr.serverapp`` beyond what ``import flwr.clientapp`` itself loads (Flower 1.41's own
+    ``flwr.serverapp`` beyond what ``import flwr.clientapp`` itself loads (Flower 1.41's and 1.42's own
     compat layer imports some of it)."""
     code = (
         "import sys, json\n"

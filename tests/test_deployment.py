@@ -22,6 +22,7 @@ The first tests check the node-data loader on its own (no Flower processes).
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import os
 import re
@@ -497,15 +498,18 @@ def test_pin_images_writes_digest_references_that_compose_and_the_dockerfile_use
                     'if [ -n "$BAD_DIGEST" ]; then echo "$BAD_DIGEST"; exit 0; fi\n'
                     'printf "sha256:%s\\n" "$(printf %s "$4" | sha256sum | cut -c1-64)"\n')
     fake.chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FLWR_VERSION": "1.41.0"}
+    # the images must be the Flower release the app runs on: the tags follow the installed flwr
+    version = importlib.metadata.version("flwr")
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    env.pop("FLWR_VERSION", None)
     env.pop("BAD_DIGEST", None)
     out = tmp_path / "images.env"
     done = subprocess.run(["bash", str(root / "deploy" / "pin_images.sh"), str(out)], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     pinned = dict(line.split("=", 1) for line in out.read_text().splitlines() if line and not line.startswith("#"))
     for name in ("superlink", "supernode", "superexec"):
-        expected = hashlib.sha256(f"flwr/{name}:1.41.0".encode()).hexdigest()
-        assert pinned[f"{name.upper()}_IMAGE"] == f"flwr/{name}:1.41.0@sha256:{expected}"
+        expected = hashlib.sha256(f"flwr/{name}:{version}".encode()).hexdigest()
+        assert pinned[f"{name.upper()}_IMAGE"] == f"flwr/{name}:{version}@sha256:{expected}"
 
     bad = subprocess.run(["bash", str(root / "deploy" / "pin_images.sh"), str(tmp_path / "bad.env")],
                          env={**env, "BAD_DIGEST": "latest"}, capture_output=True, text=True)
@@ -518,13 +522,13 @@ def test_pin_images_writes_digest_references_that_compose_and_the_dockerfile_use
         return value
 
     services = yaml.safe_load((root / "deploy" / "compose.yaml").read_text())["services"]
-    for variables, suffix in ((pinned, "@sha256:"), ({}, ":1.41.0")):
+    for variables, suffix in ((pinned, "@sha256:"), ({}, f":{version}")):
         for name, svc in services.items():
             if "build" in svc:  # the app image: built on the (pinned) SuperExec image
                 base = expand(svc["build"]["args"]["SUPEREXEC_IMAGE"], variables)
-                assert base.startswith("flwr/superexec:1.41.0") and suffix in base, (name, base)
+                assert base.startswith(f"flwr/superexec:{version}") and suffix in base, (name, base)
             else:
                 image = expand(svc["image"], variables)
                 assert image.startswith("flwr/super") and suffix in image, (name, image)
     dockerfile = (root / "Dockerfile").read_text()
-    assert "FROM ${SUPEREXEC_IMAGE}" in dockerfile and "ARG SUPEREXEC_IMAGE=flwr/superexec:1.41.0" in dockerfile
+    assert "FROM ${SUPEREXEC_IMAGE}" in dockerfile and f"ARG SUPEREXEC_IMAGE=flwr/superexec:{version}" in dockerfile
