@@ -143,7 +143,7 @@ class Holdings:
     """Who holds model bytes in the server process, read by the sampler thread.
 
     ``app``: the distinct array bytes the strategy holds (its models, the global model, the
-    decoded updates of the round in progress); ``store``: the ArrayRecord bytes of the
+    decoded updates of the round in progress, also while ``aggregate`` works on them); ``store``: the ArrayRecord bytes of the
     messages in Flower's in-memory SuperLink state (sent messages not yet answered, replies
     not yet pulled). Attached by :func:`watch_holdings` (benchmark instrumentation only).
     """
@@ -151,6 +151,8 @@ class Holdings:
     def __init__(self) -> None:
         self.strategy: Any = None
         self.linkstates: list[Any] = []
+        #: The updates ``aggregate`` is working on (the strategy hands them over from its own list).
+        self.aggregating: list[Any] = []
 
     @staticmethod
     def _arrays_bytes(models: list[Any], seen: set[int]) -> int:
@@ -172,7 +174,7 @@ class Holdings:
             return 0
         try:
             models = list(strategy.models or []) + [strategy.global_model or {}]
-            models += [u.model for u in list(strategy._round_updates)]
+            models += [u.model for u in list(strategy._round_updates) + list(self.aggregating)]
             return self._arrays_bytes(models, set())
         except Exception:  # noqa: BLE001 - a container changed while it was read (or an older strategy): skip
             return 0
@@ -207,8 +209,18 @@ def watch_holdings(holdings: Holdings) -> None:
     build = runner.build_strategy if runner is not None else None
 
     def build_and_watch(cfg: Any) -> Any:
-        holdings.strategy = build(cfg)
-        return holdings.strategy
+        strategy = holdings.strategy = build(cfg)
+        aggregate = strategy.aggregate
+
+        def aggregate_and_watch(server_round: int, updates: list[Any], *args: Any, **kwargs: Any) -> Any:
+            holdings.aggregating = list(updates)
+            try:
+                return aggregate(server_round, updates, *args, **kwargs)
+            finally:
+                holdings.aggregating = []
+
+        strategy.aggregate = aggregate_and_watch
+        return strategy
 
     if runner is not None:
         runner.build_strategy = build_and_watch

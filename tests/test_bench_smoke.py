@@ -51,6 +51,49 @@ def test_phases_of_a_simulated_process_from_its_marks() -> None:
                               "after_last_round")) == pytest.approx(p["process"])
 
 
+def test_the_scale_bench_counts_what_the_strategy_holds_also_while_it_aggregates() -> None:
+    """bench/scale.py's ``Holdings``: distinct array bytes of the pool, the global model, the
+    round's decoded updates, and the updates ``aggregate`` works on (handed over from the
+    strategy's own list: before, they counted as "the rest" at the aggregation peak)."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    spec = importlib.util.spec_from_file_location("scale_bench", ROOT / "bench" / "scale.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    one = lambda: {"w": np.zeros(250, np.float32)}  # noqa: E731 - 1,000 bytes
+    pool = [one(), one()]
+    replies = [SimpleNamespace(model=one()), SimpleNamespace(model=one())]
+    seen_in_aggregate = []
+
+    class Strategy:
+        models, global_model, _round_updates = pool, pool[0], []  # the global model shares the pool's bytes
+
+        def aggregate(self, server_round, updates):
+            seen_in_aggregate.append(holdings.app_bytes())
+            return updates[0].model
+
+    from flwr.server.superlink.linkstate import in_memory_linkstate
+
+    from server_app import runner
+
+    holdings = bench.Holdings()
+    strategy = holdings.strategy = Strategy()
+    assert holdings.app_bytes() == 2_000
+    # watch_holdings wraps runner.build_strategy and Flower's link state: undone below
+    build, init = runner.build_strategy, in_memory_linkstate.InMemoryLinkState.__init__
+    try:
+        runner.build_strategy = lambda cfg: strategy
+        bench.watch_holdings(holdings)
+        runner.build_strategy(None)  # the wrapper installs itself on the strategy's aggregate
+        strategy.aggregate(1, replies)
+    finally:
+        runner.build_strategy, in_memory_linkstate.InMemoryLinkState.__init__ = build, init
+    assert seen_in_aggregate == [4_000] and holdings.app_bytes() == 2_000
+
+
 def test_the_objective_cost_bench_runs_the_stateful_objectives(tmp_path: Path) -> None:
     out = tmp_path / "cost.json"
     _run(["bench/objective_cost.py", "--clients", "2", "--partitions", "20", "--rounds", "1", "--methods", "fedavg", "scaffold", "fedgen",

@@ -4,6 +4,8 @@ bytes, missing and extra keys. The server never raises; every bad reply is rejec
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import math
 
@@ -23,6 +25,19 @@ numbers = st.one_of(st.sampled_from([math.nan, math.inf, -math.inf, 0, -1, 0.5, 
                     st.floats(allow_nan=True, allow_infinity=True), st.integers(min_value=-(2**63), max_value=2**63 - 1))
 config_values = st.one_of(numbers, st.booleans(), st.text(max_size=300), st.binary(max_size=64),
                           st.lists(st.integers(min_value=-(2**63), max_value=2**63 - 1), max_size=4), st.lists(st.text(max_size=5), max_size=3))
+
+
+@functools.lru_cache(maxsize=None)
+def _composed(*overrides: str) -> dict:
+    from fedmm.config import compose
+
+    return compose(list(overrides))
+
+
+def composed(*overrides: str) -> dict:
+    """``compose(overrides)``, composed once per test session (hydra's compose dominates an
+    example's time); every call gets its own copy."""
+    return copy.deepcopy(_composed(*overrides))
 
 
 def model() -> dict[str, np.ndarray]:
@@ -123,10 +138,9 @@ STRATEGIES = ["fedavg", "fedmr", "fedcross", "fedmut", "fedexp", "scaffold", "fe
 @settings(max_examples=12, deadline=None)
 @given(how=st.sampled_from(CORRUPTIONS), value=config_values)
 def test_train_replies_of_every_strategy(name: str, how: str, value: object) -> None:
-    from fedmm.config import compose
     from strategies import build_strategy
 
-    run = compose([f"strategy={name}", "num_clients=3", "clients_per_round=3"])
+    run = composed(f"strategy={name}", "num_clients=3", "clients_per_round=3")
     strategy = build_strategy(run)
     if name == "fedgen":  # its generator is shaped for a classifier: give it one
         initial = {"w": np.zeros((4, 3), np.float32), "fc.weight": np.zeros((10, 4), np.float32), "fc.bias": np.zeros(10, np.float32)}
@@ -162,10 +176,9 @@ def test_train_replies_of_every_strategy(name: str, how: str, value: object) -> 
 def test_evaluate_replies(metrics: dict, error: bool) -> None:
     from flwr.app import Error
 
-    from fedmm.config import compose
     from strategies import build_strategy
 
-    strategy = build_strategy(compose(["num_clients=3", "clients_per_round=2"]))
+    strategy = build_strategy(composed("num_clients=3", "clients_per_round=2"))
     query = protocol.server_message(protocol.EVALUATE, 1, {})
     good = Message(RecordDict({protocol.METRICS: MetricRecord({protocol.NUM_EXAMPLES: 5, "accuracy": 0.5, "loss": 1.0})}), reply_to=query)
     try:
