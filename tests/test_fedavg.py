@@ -109,6 +109,37 @@ def test_federation_size_waits_until_registration_settles() -> None:
 
     assert federation_size(GrowingGrid(), settle=0.3) == 1000
 
+    # the size the caller started: returned once reached, with no settle wait (20 polls, not 20 + 3)
+    grid = GrowingGrid()
+    assert federation_size(grid, settle=0.3, expected=1000) == 1000 and grid.calls == 20
+
+
+def test_one_simulated_run_waits_for_its_federation_once() -> None:
+    """Several experiments on one simulation (Flower run id) ask for its size once; another run
+    id asks again."""
+    from types import SimpleNamespace
+
+    from fedmm.config import compose
+    from server_app.runner import fit_federation_size
+
+    class Grid:
+        def __init__(self, run_id: int) -> None:
+            self.run, self.calls = SimpleNamespace(run_id=run_id), 0
+
+        def get_node_ids(self):
+            self.calls += 1
+            return [1, 2, 3, 4]
+
+    first = Grid(run_id=987_654_321)
+    for _ in range(3):
+        cfg = compose(["num_clients=20", "clients_per_round=2"])
+        fit_federation_size(cfg, first, expected=4)
+        assert cfg.num_clients == 4  # the federation wins over num_clients
+    assert first.calls == 1
+    other = Grid(run_id=987_654_322)
+    fit_federation_size(compose(["num_clients=4", "clients_per_round=2"]), other, expected=4)
+    assert other.calls == 1
+
 
 import pytest  # noqa: E402
 

@@ -255,3 +255,28 @@ def test_backend_config_passes_the_address_and_init_args() -> None:
         "logging_level": "ERROR", "log_to_driver": True, "address": "10.0.0.1:6379", "namespace": "fedmm",
         "runtime_env": {"working_dir": "/srv/fedmm"},
     }
+
+
+def test_the_servers_data_is_loaded_while_ray_starts_and_a_bad_path_is_left_to_the_serverapp(tmp_path: Path) -> None:
+    """launch.cli.prepare_server_data fills the caches the ServerApp's set-up reads (its partition
+    call is then a cache hit) and raises nothing itself: the ServerApp meets the error and reports it."""
+    from fedmm.data import load_dataset, partition_indices
+    from fedmm.data.partition import _partition_cached
+    from launch.cli import prepare_server_data
+
+    cfg = validate(compose(["num_clients=7", "clients_per_round=2", "seed=12345"]))
+    prepare_server_data(cfg)
+    hits = _partition_cached.cache_info().hits
+    train, _ = load_dataset(cfg.dataset)
+    partition_indices(train, cfg.partition, cfg.num_clients, cfg.seed)
+    assert _partition_cached.cache_info().hits == hits + 1
+
+    batches = tmp_path / "cifar-10-batches-py"  # passes validation, fails to load (md5)
+    batches.mkdir()
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch", "batches.meta"]:
+        (batches / name).write_bytes(b"truncated")
+    bad = validate(compose(["dataset=cifar10", f"dataset.path={tmp_path}"]))
+    prepare_server_data(bad)  # no exception here
+    with pytest.raises(ConfigError, match="md5"):
+        load_dataset(bad.dataset)  # the ServerApp's set-up meets it and reports it
+
