@@ -8,10 +8,13 @@ os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 
+import copy  # noqa: E402
+import functools  # noqa: E402
 import shutil  # noqa: E402
 import signal  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -53,4 +56,16 @@ def ray_env():
             pass
     shutil.rmtree(tmp, ignore_errors=True)
 
+
+@functools.lru_cache(maxsize=None)
+def _composed(overrides: tuple[str, ...]) -> Any:
+    from fedmm.config import compose
+
+    return compose(list(overrides))
+
+
+def composed(*overrides: str) -> Any:
+    """``fedmm.config.compose(overrides)``, composed once per test session (hydra's compose takes
+    a good part of a second); every call gets its own copy."""
+    return copy.deepcopy(_composed(tuple(overrides)))
 

@@ -4,8 +4,6 @@ bytes, missing and extra keys. The server never raises; every bad reply is rejec
 
 from __future__ import annotations
 
-import copy
-import functools
 import json
 import math
 
@@ -16,6 +14,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from fedmm import protocol
+from tests.conftest import composed
 from tests.fakes import FakeGrid
 
 FUZZ = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -25,19 +24,6 @@ numbers = st.one_of(st.sampled_from([math.nan, math.inf, -math.inf, 0, -1, 0.5, 
                     st.floats(allow_nan=True, allow_infinity=True), st.integers(min_value=-(2**63), max_value=2**63 - 1))
 config_values = st.one_of(numbers, st.booleans(), st.text(max_size=300), st.binary(max_size=64),
                           st.lists(st.integers(min_value=-(2**63), max_value=2**63 - 1), max_size=4), st.lists(st.text(max_size=5), max_size=3))
-
-
-@functools.lru_cache(maxsize=None)
-def _composed(*overrides: str) -> dict:
-    from fedmm.config import compose
-
-    return compose(list(overrides))
-
-
-def composed(*overrides: str) -> dict:
-    """``compose(overrides)``, composed once per test session (hydra's compose dominates an
-    example's time); every call gets its own copy."""
-    return copy.deepcopy(_composed(*overrides))
 
 
 def model() -> dict[str, np.ndarray]:

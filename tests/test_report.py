@@ -3,9 +3,7 @@ the papers' layout (``--paper``)."""
 
 from __future__ import annotations
 
-import copy
 import csv
-import functools
 import json
 from pathlib import Path
 
@@ -13,20 +11,16 @@ import pytest
 import yaml
 
 from fedmm.config import compose, to_container
+from tests.conftest import composed
 from analysis.paper_numbers import PAPER_TABLES
 from analysis.report import (load_runs, main, method_label, paper_maps, paper_table, render_paper, rounds_to_reach,
                           summarise)
 
 
-@functools.lru_cache(maxsize=None)
-def _config(overrides: tuple[str, ...]) -> dict:
-    return to_container(compose(list(overrides)))
-
-
 def write_run(root: Path, name: str, overrides: list[str], accs: list[float], status: str = "completed") -> None:
     # composed once per config (hydra is slow): the seed override only sets cfg["seed"]
     seeds = [int(o.split("=", 1)[1]) for o in overrides if o.startswith("seed=")]
-    cfg = copy.deepcopy(_config((f"num_rounds={len(accs) - 1}", *(o for o in overrides if not o.startswith("seed=")))))
+    cfg = to_container(composed(f"num_rounds={len(accs) - 1}", *(o for o in overrides if not o.startswith("seed="))))
     if seeds:
         cfg["seed"] = seeds[-1]
     run = root / name
