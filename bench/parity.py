@@ -115,6 +115,10 @@ class Method:
     ours: tuple[str, ...]       # hydra overrides selecting our preset
     theirs: str                 # their algorithm function (an attribute of main_fed)
     flags: tuple[str, ...] = ()  # their extra command-line flags
+    # Each side draws this method's clients exactly as it draws FedAvg's for the same seed (theirs:
+    # nothing else reads NumPy's global generator; ours: the seeded uniform selector): its Δ can be
+    # read against FedAvg's Δ of the same seed (the "Δ − FedAvg's Δ" column).
+    fedavg_sampling: bool = True
 
 
 METHODS: dict[str, Method] = {
@@ -130,8 +134,11 @@ METHODS: dict[str, Method] = {
                         ("--radius", "4.0", "--mut_acc_rate", "0.3", "--mut_bound", "50")),
     "fedexp": Method(("strategy=fedexp_fedmr_repo",), "FedExP"),
     "fedasam": Method(("strategy=fedasam_fedmr_repo",), "FedASAM"),
-    "fedgen": Method(("strategy=fedgen",), "FedGen"),
-    "clusamp": Method(("strategy=clusamp_fedmr_repo",), "ClusteredSampling", ("--sim_type", "L1")),
+    # their FedGen also draws generator labels from NumPy's global generator; clustered sampling
+    # draws its clients from the clusters on both sides
+    "fedgen": Method(("strategy=fedgen",), "FedGen", fedavg_sampling=False),
+    "clusamp": Method(("strategy=clusamp_fedmr_repo",), "ClusteredSampling", ("--sim_type", "L1"),
+                      fedavg_sampling=False),
 }
 
 #: Methods of their repository we have presets for but cannot run from it, and why (FedCross
@@ -239,6 +246,18 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return row
 
 
+def against_baseline(runs: list[dict[str, Any]], baseline: list[dict[str, Any]]) -> tuple[float | None, float | None]:
+    """Mean ± std over the seeds both have of (this method's final Δ − the baseline's final Δ), each
+    Δ = ours − theirs of one seed. Where both sides draw the same clients for both methods, the
+    part of a seed's Δ that comes from the two sides' different client sequences is common to
+    both and cancels here; what is left is the method's own difference."""
+    def deltas(rs: list[dict[str, Any]]) -> dict[int, float]:
+        return {r["seed"]: r["ours"][-1] - r["theirs"][-1] for r in rs if r.get("ours") and r.get("theirs")}
+
+    mine, base = deltas(runs), deltas(baseline)
+    return mean_std([mine[seed] - base[seed] for seed in sorted(mine) if seed in base])
+
+
 def _pm(value: tuple[float, float | None], signed: bool = False) -> str:
     mean, std = value
     if mean is None:
@@ -250,19 +269,19 @@ def _pm(value: tuple[float, float | None], signed: bool = False) -> str:
 def markdown_table(rows: dict[str, dict[str, Any]], not_run: dict[str, str], failures: dict[str, str]) -> str:
     """The table: accuracy in points, mean ± std over seeds; Δ = ours − theirs."""
     lines = [
-        "| method | seeds | ours final | theirs final | Δ final | ours best | theirs best | Δ best |",
-        "|---|---|---|---|---|---|---|---|",
+        "| method | seeds | ours final | theirs final | Δ final | ours best | theirs best | Δ best | Δ final − FedAvg's |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, row in rows.items():
         flag = " ⚠" if any(row[f"delta_{w}"][0] is not None and abs(row[f"delta_{w}"][0]) > 1.0
                            for w in ("final", "best")) else ""
         lines.append(f"| {name}{flag} | {row['seeds']} | {_pm(row['ours_final'])} | {_pm(row['theirs_final'])} | "
                      f"{_pm(row['delta_final'], True)} | {_pm(row['ours_best'])} | {_pm(row['theirs_best'])} | "
-                     f"{_pm(row['delta_best'], True)} |")
+                     f"{_pm(row['delta_best'], True)} | {_pm(row.get('delta_final_vs_fedavg', (None, None)), True)} |")
     for name, why in failures.items():
-        lines.append(f"| {name} | 0 | failed: {why} | | | | | |")
+        lines.append(f"| {name} | 0 | failed: {why} | | | | | | |")
     for name, why in not_run.items():
-        lines.append(f"| {name} | — | not run: {why} | | | | | |")
+        lines.append(f"| {name} | — | not run: {why} | | | | | | |")
     return "\n".join(lines) + "\n"
 
 
@@ -630,7 +649,8 @@ def merge_results(results: list[dict[str, Any]]) -> dict[str, Any]:
         "partition": first.get("partition"), "partition_sha256": next((r["partition_sha256"] for r in results
                                                                        if r.get("partition_sha256")), None),
         "methods": methods, "not_run": {k: v for k, v in not_run.items() if k not in methods},
-        "patch_descriptions": PATCHES, "merged_from": [r.get("command") for r in results],
+        "patch_descriptions": PATCHES,
+        "merged_from": [c for r in results for c in (r.get("merged_from") or [r.get("command")])],
         "seconds": round(sum(r.get("seconds", 0.0) for r in results), 1),
     }
 
@@ -685,13 +705,19 @@ def settings_of(args: argparse.Namespace, authors: Path) -> dict[str, Any]:
 
 
 def table_rows(result: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
-    rows, failures = {}, {}
-    for name, method in result["methods"].items():
-        runs = [{"seed": r["seed"],
+    def points(method: dict[str, Any]) -> list[dict[str, Any]]:
+        return [{"seed": r["seed"],
                  "ours": r.get("ours_points") if "ours_error" not in r else None,
                  "theirs": r.get("theirs_points") if "theirs_error" not in r else None} for r in method["runs"]]
+
+    rows, failures = {}, {}
+    baseline = points(result["methods"]["fedavg"]) if "fedavg" in result["methods"] else []
+    for name, method in result["methods"].items():
+        runs = points(method)
         if any(r["ours"] or r["theirs"] for r in runs):
             rows[name] = summarize(runs)
+            if name != "fedavg" and name in METHODS and METHODS[name].fedavg_sampling:
+                rows[name]["delta_final_vs_fedavg"] = against_baseline(runs, baseline)
         errors = [f"seed {r['seed']}: " + "; ".join(r[k].splitlines()[0] for k in ("ours_error", "theirs_error") if k in r)
                   for r in method["runs"] if "ours_error" in r or "theirs_error" in r]
         if errors and name not in rows:
@@ -710,7 +736,9 @@ def render_markdown(result: dict[str, Any], command: str) -> str:
     commands = result.get("merged_from") or [command]
     lines = [
         ("Command: " if len(commands) == 1 else "Commands (one table, the runs merged with `--merge`): ")
-        + ", ".join(f"`{c}`" for c in commands),
+        + ", ".join(f"`{c}`" for c in commands)
+        + ("; merged: `python bench/parity.py --merge <the previous table's json> <a new run's json> --out "
+           "bench/results/parity.json --markdown docs/parity.md`" if len(commands) > 1 else ""),
         "",
         f"Settings: their checkout {s['authors_commit'] or s['authors']}; mnist5k (4,000 train / 1,000 test), "
         f"{s['num_clients']} clients, {s['clients_per_round']} per round, Dir({s['alpha']}) authors' split "
@@ -725,7 +753,9 @@ def render_markdown(result: dict[str, Any], command: str) -> str:
         "",
         "Accuracy on the test split in points, mean ± std over seeds; final = round "
         f"{s['rounds']}, best = the best of rounds {', '.join(str(r) for r in range(10, s['rounds'] + 1, 10))}; "
-        "Δ = ours − theirs, paired by seed; ⚠: |Δ| > 1 point.",
+        "Δ = ours − theirs, paired by seed; ⚠: |Δ| > 1 point. Δ final − FedAvg's: this method's final Δ "
+        "minus FedAvg's final Δ of the same seed, mean ± std over the seeds both have, for the methods whose "
+        "clients each side draws exactly as it draws FedAvg's (the client sequences' share of a seed's Δ cancels).",
         "",
         markdown_table(rows, result["not_run"], failures),
         "Run-time patches applied to their code:",

@@ -50,10 +50,34 @@ def test_summary_pairs_seeds_and_gives_final_best_and_delta() -> None:
     table = parity.markdown_table({"fedavg": row, "fedmr": one}, {"fedcross": "no source"}, {"fedgen": "seed 0: boom"})
     lines = table.splitlines()
     assert lines[2].startswith("| fedavg ⚠ | 2 | 52.00 ± 9.85 | 55.00 ± 4.24 | +2.50 ± 0.71 | 52.67 ± 10.21 |")
-    assert lines[3] == "| fedmr ⚠ | 1 | 70.00 | 71.50 | -1.50 | 70.00 | 71.50 | -1.50 |"
+    assert lines[3] == "| fedmr ⚠ | 1 | 70.00 | 71.50 | -1.50 | 70.00 | 71.50 | -1.50 | — |"
     assert "| fedgen | 0 | failed: seed 0: boom |" in table and "| fedcross | — | not run: no source |" in table
     calm = parity.summarize([{"seed": 0, "ours": [70.0], "theirs": [70.5]}])
     assert "⚠" not in parity.markdown_table({"fedavg": calm}, {}, {})
+
+
+def test_a_methods_delta_is_read_against_fedavgs_delta_of_the_same_seed() -> None:
+    """The client sequences' share of a seed's Δ is common to the methods that draw clients as
+    FedAvg does on both sides: the column subtracts FedAvg's Δ seed by seed (only the seeds both
+    have), and stays empty for the methods that draw clients otherwise."""
+    parity = _parity()
+
+    def method(deltas: dict[int, float]) -> dict:
+        return {"runs": [{"seed": s, "ours_points": [60.0, 70.0 + d], "theirs_points": [60.0, 70.0]} for s, d in deltas.items()]}
+
+    result = {"methods": {"fedavg": method({0: -6.0, 1: 5.0, 2: 1.0}), "fedprox": method({0: -5.0, 1: 3.0}),
+                          "fedmr": method({0: 0.0, 1: 5.0, 3: 9.0}), "clusamp": method({0: -3.0, 1: 2.0})}}
+    rows, _ = parity.table_rows(result)
+    assert "delta_final_vs_fedavg" not in rows["fedavg"]
+    assert rows["fedprox"]["delta_final_vs_fedavg"] == pytest.approx((-0.5, math.sqrt(4.5)))  # +1, -2
+    assert rows["fedmr"]["delta_final_vs_fedavg"] == pytest.approx((3.0, math.sqrt(18.0)))   # +6, 0; seed 3 unpaired
+    assert rows["fedprox"]["delta_final"] == pytest.approx((-1.0, math.sqrt(32.0)))           # the plain Δ unchanged
+    assert "delta_final_vs_fedavg" not in rows["clusamp"]  # draws its clients from clusters
+    table = parity.markdown_table(rows, {}, {})
+    assert "| fedprox | 2 |" in table and table.split("| fedprox")[1].splitlines()[0].endswith("| -0.50 ± 2.12 |")
+    assert table.split("| clusamp")[1].splitlines()[0].endswith("| — |")
+    alone, _ = parity.table_rows({"methods": {"fedprox": result["methods"]["fedprox"]}})  # no FedAvg row: empty
+    assert alone["fedprox"]["delta_final_vs_fedavg"] == (None, None)
 
 
 def test_their_fraction_gives_their_number_of_clients() -> None:
@@ -276,6 +300,8 @@ def test_merge_joins_runs_by_method_and_seed_and_refuses_other_settings() -> Non
 
     merged = parity.merge_results([result([0, 1], ["fedavg", "fedmr"]), result([2], ["fedavg", "fedmr", "fedgen"], authors="/b")])
     assert merged["settings"]["seeds"] == [0, 1, 2] and merged["merged_from"] == ["c[0, 1]", "c[2]"]
+    again = parity.merge_results([{**merged, "command": "the merge"}, result([3], ["fedavg"])])
+    assert again["merged_from"] == ["c[0, 1]", "c[2]", "c[3]"]  # the runs' commands, not the earlier merge's
     assert [r["seed"] for r in merged["methods"]["fedmr"]["runs"]] == [0, 1, 2]
     assert "fedgen" in merged["methods"] and "fedgen" not in merged["not_run"]  # run in the second file
     rows, _ = parity.table_rows(merged)
