@@ -33,7 +33,9 @@ Both evaluate the global model on the test split at rounds 10, 20, ... (theirs: 
 What differs: the random streams (client sampling, data order, recombination draws), so runs
 agree statistically, not bit for bit: the table gives each side's final (last round) and best
 (over the evaluated rounds) accuracy in points, mean ± std over seeds, and Δ = ours − theirs paired
-by seed, mean ± std.
+by seed, mean ± std; for the methods each side samples exactly as FedAvg (``Method.fedavg_sampling``)
+also their final Δ minus FedAvg's final Δ of the same seed, which removes the part of a seed's Δ
+that the two sides' different client sequences cause in every such method alike.
 
 Methods (ours: preset; theirs: function, extra flags):
 
