@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import sys
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -94,23 +95,21 @@ def model_record(model: torch.nn.Module) -> ArrayRecord:
     return protocol.model_to_record({key: value.detach().cpu().numpy() for key, value in model.state_dict().items()})
 
 
-def reserved_cpus(run: RunSettings) -> int:
-    """CPU cores the simulation reserved for this ClientApp.
-
-    Ray knows what it assigned to the actor (``flwr run``'s ``client-resources-num-cpus`` or
-    fedmm's ``simulation.client_cpus``); outside Ray the config value is used.
-    """
-    cpus = _ray_assigned_cpus()
-    return cpus if cpus else max(1, run.simulation.client_cpus)
+def reserved_cpus(run: RunSettings) -> int | None:
+    """CPU cores a Ray simulation reserved for this ClientApp (``flwr run``'s
+    ``client-resources-num-cpus`` or fedmm's ``simulation.client_cpus``), as Ray assigned them to
+    the worker's actor; None outside a Ray worker (a deployed SuperNode, the in-process engine),
+    where the ClientApp keeps the process's thread count."""
+    return _ray_assigned_cpus()
 
 
 @functools.lru_cache(maxsize=1)
 def _ray_assigned_cpus() -> int | None:
-    # What Ray reserved for this worker's actor: fixed for the worker's life, asked once.
+    # What Ray reserved for this worker's actor: fixed for the worker's life, asked once. A Ray
+    # worker has imported ray before it runs any ClientApp; elsewhere ray is not imported for it.
+    ray = sys.modules.get("ray")
     try:
-        import ray
-
-        if ray.is_initialized():
+        if ray is not None and ray.is_initialized():
             cpus = ray.get_runtime_context().get_assigned_resources().get("CPU")
             if cpus:
                 return max(1, int(cpus))
@@ -120,11 +119,12 @@ def _ray_assigned_cpus() -> int | None:
 
 
 def _set_threads(run: RunSettings, context: Context) -> None:
-    # In simulation several ClientApps share the machine: use only the reserved cores.
-    # A deployed SuperNode owns its machine and keeps torch's default.
+    # In a Ray simulation several ClientApps share the machine: use only the reserved cores.
+    # A deployed SuperNode owns its machine, and the in-process engine runs one ClientApp at a
+    # time in the ServerApp's process: both keep the process's thread count.
     if "partition-id" in context.node_config:
         threads = reserved_cpus(run)
-        if torch.get_num_threads() != threads:
+        if threads and torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
 
 
@@ -179,11 +179,16 @@ def cuda_memory_advice(run: RunSettings, what: str) -> Iterator[None]:
             except RuntimeError:
                 pass
         share = run.simulation.client_gpus
-        per_gpu = f"{int(1 / share)} ClientApps per GPU" if share > 0 else "no GPU share reserved"
+        if share > 0:  # Ray runs floor(1 / share) ClientApps on a GPU at once
+            advice = (f"simulation.client_gpus={share:g} ({int(1 / share)} ClientApps per GPU); give each ClientApp a "
+                      f"larger share (fewer at once), or lower training.batch_size={run.training.batch_size}")
+        else:  # one ClientApp at a time (the in-process engine), beside what its process holds on the device
+            advice = (f"one ClientApp at a time, beside what its process holds on the device (in-process: the "
+                      f"server's models and evaluation); lower training.batch_size={run.training.batch_size}, or "
+                      f"run the server's evaluation elsewhere")
         raise ClientOutOfMemory(
-            f"CUDA out of memory during {what}{free_text}: simulation.client_gpus={share:g} ({per_gpu}); "
-            f"give each ClientApp a larger share (fewer at once), or lower training.batch_size="
-            f"{run.training.batch_size}; docs/performance.md, 'CUDA out of memory'. [{str(err).splitlines()[0][:200]}]"
+            f"CUDA out of memory during {what}{free_text}: {advice}; docs/performance.md, 'CUDA out of memory'. "
+            f"[{str(err).splitlines()[0][:200]}]"
         ) from None
 
 

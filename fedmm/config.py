@@ -121,25 +121,46 @@ def _ray_init_parameters() -> set[str] | None:
                      "_tracing_startup_hook", "_node_name", "_skip_env_hook"}
 
 
+#: The simulation engines ``fedmm`` runs a job on (``simulation.engine``).
+ENGINES = ("local", "ray")
+#: Settings of the Ray engine only (another engine takes them at their declared defaults only).
+RAY_ONLY = ("client_cpus", "client_gpus", "ray_address", "ray_init_args")
+
+
 @dataclass
 class SimulationSettings(Settings):
-    """Flower's simulation engine (Ray backend) as fedmm runs it; flwr run takes these from
+    """The simulation ``fedmm`` runs a job on: the in-process engine (``local``) or Flower's
+    simulation engine (``ray``); flwr run keeps Flower's engine and takes its resources from
     --federation-config instead (docs/usage.md)."""
 
     group = "simulation"
     option = "default"
     keyed = False
-    added = {"ray_address": None, "ray_init_args": {}}
+    added = {"ray_address": None, "ray_init_args": {}, "engine": "ray"}
+    engine: str = setting("ray", Choice(*ENGINES),
+                          "local: the ServerApp and one ClientApp at a time in fedmm's process, no Ray "
+                          "(fedmm/local_engine.py) | ray: Flower's simulation engine, ClientApps in Ray workers "
+                          "(several at once, GPU shares, Ray clusters)")
     num_supernodes: int = setting(20, Int(min=1), "virtual SuperNodes (= num_clients)", node="${num_clients}")
-    client_cpus: float = setting(1, Number(gt=0), "CPU cores reserved per ClientApp")
-    client_gpus: float = setting(0.0, _Gpus(), "GPU fraction per ClientApp (0.25: four clients share one GPU)")
-    ray_address: str | None = setting(None, _RayAddress(), "null: a local Ray per job; host:port or auto: attach to a "
+    client_cpus: float = setting(1, Number(gt=0), "ray engine: CPU cores reserved per ClientApp")
+    client_gpus: float = setting(0.0, _Gpus(), "ray engine: GPU fraction per ClientApp (0.25: four clients share one GPU)")
+    ray_address: str | None = setting(None, _RayAddress(), "ray engine: null: a local Ray per job; host:port or auto: attach to a "
                                       "running Ray cluster (docs/ray_cluster.md)")
     ray_init_args: dict = setting({}, MapOf(AnyValue(), "a mapping of ray.init keyword arguments to values ({} for none)"),
-                                  "further ray.init keyword arguments (e.g. {namespace: fedmm})")
+                                  "ray engine: further ray.init keyword arguments (e.g. {namespace: fedmm})")
 
     def check_values(self, prefix: str) -> None:
-        """``ray_init_args``: ray.init keyword arguments that fit ``ray_address``."""
+        """The Ray settings only with ``engine: ray``; ``ray_init_args``: ray.init keyword
+        arguments that fit ``ray_address``."""
+        if self.engine != "ray":
+            declared = type(self)()
+            for name in RAY_ONLY:
+                unused = getattr(declared, name)
+                if getattr(self, name) != unused:
+                    raise ConfigError(f"{prefix}{name}", getattr(self, name),
+                                      f"{unused!r} on the {self.engine} engine, which runs one ClientApp at a time in "
+                                      f"fedmm's own process (on training.device, with all of the process's threads); "
+                                      f"set {prefix}engine=ray to run ClientApps in Ray workers")
         args, address = self.ray_init_args, self.ray_address
         for name in args:
             key = f"{prefix}ray_init_args.{name}"

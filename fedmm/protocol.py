@@ -425,16 +425,22 @@ def check_evaluate_metrics(metrics: Mapping[str, float], weight_key: str = NUM_E
 def client_error(reason: str) -> str:
     """The client's own exception from an error reply's reason, as ``Name: message``.
 
-    A deployed SuperNode's reason is ``<class 'pkg.Name'>:<'message'>``; the simulation engine's
+    A deployed SuperNode's reason is ``<class 'pkg.Name'>:<'message'>``; Flower's Ray engine's
     wraps a Ray traceback whose first exception line is the client's own exception (followed by
-    Flower's ``ClientAppException`` and Ray's wrappers). Falls back to the reason's last line.
+    Flower's ``ClientAppException`` and Ray's wrappers); the in-process engine's
+    (:mod:`fedmm.local_engine`) wraps a ``ClientAppException`` whose message starts with the
+    client's own exception line. Falls back to the reason's last line.
     """
     import re
 
+    wrappers = ("ClientAppException", "RayTaskError", "RayActorError")
     wrapped = re.fullmatch(r"<class '([\w.]+)'>:<'(.*)'>", reason.strip(), flags=re.S)
     if wrapped:
-        return f"{wrapped.group(1).rsplit('.', 1)[-1]}: {wrapped.group(2).strip()}"
-    wrappers = ("ClientAppException", "RayTaskError", "RayActorError")
+        name = wrapped.group(1).rsplit(".", 1)[-1]
+        if name not in wrappers:
+            return f"{name}: {wrapped.group(2).strip()}"
+        reason = wrapped.group(2)  # Flower's wrapper: the client's own exception is inside
+    reason = reason.replace("Exception ClientAppException occurred. Message: ", "\n")
     lines = [line.strip() for line in reason.strip().splitlines() if line.strip()]
     for line in lines:
         found = re.match(r"^(?:[\w.]+\.)?(\w*(?:Error|Exception|Interrupt|Exit))(?::\s*(.*))?$", line)

@@ -1,13 +1,15 @@
-"""``fedmm``: run one experiment or a hydra multirun sweep on Flower's simulation engine.
+"""``fedmm``: run one experiment or a hydra multirun sweep on a simulation engine.
 
     fedmm strategy=fedmr partition.alpha=0.1
     fedmm -m seed=0,1,2 strategy=fedavg,fedmr
     fedmm resume=outputs/2026-11-23/10-00-00_fedmr+ce_mnist5k_dirichlet_s0 [num_rounds=50]
 
 Each job composes ``conf/`` with its overrides, validates it once, and runs the ServerApp and
-ClientApp of this app on the Ray backend with ``simulation.num_supernodes`` virtual SuperNodes
-(on a local Ray, or on the running Ray cluster that ``simulation.ray_address`` names);
-results go to the hydra job directory (or, with ``resume``, to the run being continued).
+ClientApp of this app with ``simulation.num_supernodes`` virtual SuperNodes on the engine that
+``simulation.engine`` names: ``local`` (the default: both apps in this process, one ClientApp at a
+time, no Ray; :mod:`fedmm.local_engine`) or ``ray`` (Flower's simulation engine, on a local Ray or
+on the running Ray cluster that ``simulation.ray_address`` names); results go to the hydra job
+directory (or, with ``resume``, to the run being continued).
 
 This module is the composition root: the only place that imports both apps. Nothing imports it.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -151,34 +154,63 @@ def prepare_server_data(cfg: Any) -> None:
 
 def run_job(settings: Any) -> Path:
     """Run one experiment (its settings, or a plain config: validated here) on the simulation
-    engine and return its results directory."""
-    import threading
-    import warnings
-
+    engine ``simulation.engine`` names and return its results directory."""
     from flwr.app import Context
     from flwr.serverapp import Grid, ServerApp
-    from flwr.simulation import run_simulation
 
     from client_app.client_app import app as client_app
-    from fedmm.interrupt import abort, reset
+    from fedmm.interrupt import reset
     from server_app.runner import run_experiment
 
     reset()
     cfg = config_mod.as_run(settings)
-    out: dict[str, Path] = {}
+    out: dict[str, Any] = {}
     server_app = ServerApp()
+    prepared = None
+    if cfg.simulation.engine == "ray":
+        import threading
 
-    prepared = threading.Thread(target=prepare_server_data, args=(cfg,), name="fedmm-prepare", daemon=True)
-    prepared.start()  # beside Ray's start; the ServerApp waits for it (no work done twice)
+        prepared = threading.Thread(target=prepare_server_data, args=(cfg,), name="fedmm-prepare", daemon=True)
+        prepared.start()  # beside Ray's start; the ServerApp waits for it (no work done twice)
 
     @server_app.main()
     def _main(grid: Grid, context: Context) -> None:
         try:
-            prepared.join()
+            if prepared is not None:
+                prepared.join()
             out["dir"] = run_experiment(grid, cfg, num_supernodes=cfg.simulation.num_supernodes)
         except BaseException as err:  # Flower logs it and returns: keep it to fail the job
             out["error"] = err
             raise
+
+    if cfg.simulation.engine == "local":
+        from fedmm.local_engine import run_local_simulation
+
+        try:
+            run_local_simulation(server_app=server_app, client_app=client_app, num_supernodes=cfg.simulation.num_supernodes)
+        except Exception as err:  # noqa: BLE001 - the ServerApp's error, kept in out["error"]
+            out.setdefault("error", err)
+    else:
+        _run_on_ray(cfg, server_app, client_app, out)
+    if "error" in out:
+        err = out["error"]
+        if isinstance(err, KeyboardInterrupt):
+            raise err
+        raise JobFailed(f"{type(err).__name__}: {err}") from err
+    if "dir" not in out:
+        raise JobFailed("the simulation ended before the experiment finished (the simulation runtime failed; see the log above)")
+    return out["dir"]
+
+
+def _run_on_ray(cfg: Any, server_app: Any, client_app: Any, out: dict[str, Any]) -> None:
+    """Run ``server_app`` and ``client_app`` on Flower's simulation engine (Ray backend): a local
+    Ray of this job's, or the Ray cluster ``simulation.ray_address`` names. The ServerApp's
+    outcome goes into ``out`` (``dir`` or ``error``)."""
+    import warnings
+
+    from flwr.simulation import run_simulation
+
+    from fedmm.interrupt import abort
 
     backend = backend_config(cfg)
     attached = attach_ray(backend["init_args"])
@@ -203,14 +235,6 @@ def run_job(settings: Any) -> Path:
                 abort("the simulation runtime stopped before the experiment finished")
             if attached or started:
                 _disconnect_ray()  # Flower's backend shuts Ray down; this covers a runtime that failed first
-    if "error" in out:
-        err = out["error"]
-        if isinstance(err, KeyboardInterrupt):
-            raise err
-        raise JobFailed(f"{type(err).__name__}: {err}") from err
-    if "dir" not in out:
-        raise JobFailed("the simulation ended before the experiment finished (the simulation runtime failed; see the log above)")
-    return out["dir"]
 
 
 def _disconnect_ray() -> None:
@@ -303,6 +327,11 @@ def main() -> None:
         _hydra_main()
     except KeyboardInterrupt:
         print("fedmm: interrupted; the run directory holds a checkpoint: continue with fedmm resume=<run dir>", flush=True)
+        from fedmm.local_engine import clients_running
+
+        if clients_running():  # stopped at once (a second signal) while a ClientApp trains in this process
+            sys.stderr.flush()
+            os._exit(130)  # an interpreter that shuts down under a running torch thread aborts instead
         raise SystemExit(130) from None
     if FAILED_JOBS:
         print(f"fedmm: {len(FAILED_JOBS)} job(s) failed:", flush=True)

@@ -1,10 +1,13 @@
-"""A stop signal during a real simulation: fedmm stops within seconds, ends Ray and every process
-it started, and leaves the checkpoint of its last completed round and status `interrupted` (that a
-checkpoint resumes exactly is tested in tests/test_same_results.py).
+"""A stop signal during a real simulation, on either engine: fedmm stops within seconds, ends Ray
+and every process it started (Ray engine), and leaves the checkpoint of its last completed round
+and status `interrupted` (that a checkpoint resumes exactly is tested in
+tests/test_same_results.py).
 
 The signal sent is SIGTERM (what a batch scheduler or `kill` sends): Ray's start-up replaces the
 process's SIGTERM handler, so it is the case that needs the app to keep its own. Ctrl-C (SIGINT)
-goes to the same handler (``fedmm.interrupt``)."""
+goes to the same handler (``fedmm.interrupt``). On the in-process engine the ClientApp trains in a
+thread of fedmm's own process: the first signal waits for the client in training to finish (the
+process would abort under it), a second one stops at once."""
 
 from __future__ import annotations
 
@@ -16,29 +19,38 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 
 from fedmm.results import read_metrics
 from server_app.checkpoint import load_checkpoint
 from tests.conftest import pids_mentioning
 
 BIN = Path(sys.executable).parent
+REPO = Path(__file__).resolve().parent.parent
 
 
-def test_sigterm_stops_within_seconds_with_a_checkpoint(tmp_path: Path, ray_env: dict) -> None:
-    run = tmp_path / "run"
+def start_and_reach_round_1(run: Path, env: dict, engine: str) -> subprocess.Popen:
     cmd = [str(BIN / "fedmm"), "num_rounds=50", "num_clients=4", "clients_per_round=2", "training.local_epochs=1",
-           "checkpoint_every=100", f"hydra.run.dir={run}"]  # no periodic checkpoint: only the stop writes one
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=ray_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           "checkpoint_every=100", f"simulation.engine={engine}", f"hydra.run.dir={run}"]  # only the stop writes a checkpoint
+    proc = subprocess.Popen(cmd, cwd=run.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 300
     while not ((run / "metrics.jsonl").exists() and len(read_metrics(run)) >= 2):
         assert proc.poll() is None and time.time() < deadline, "the run did not reach round 1"
         time.sleep(0.3)
+    return proc
+
+
+@pytest.mark.parametrize("engine", ["local", "ray"])
+def test_sigterm_stops_within_seconds_with_a_checkpoint(tmp_path: Path, ray_env: dict, engine: str) -> None:
+    run = tmp_path / "run"
+    proc = start_and_reach_round_1(run, ray_env, engine)
     proc.send_signal(signal.SIGTERM)
     start = time.time()
     output, _ = proc.communicate(timeout=60)
     stopped_in = time.time() - start
     assert proc.returncode == 130, output[-3000:]
-    assert stopped_in < 30, stopped_in  # measured here: about 8 s, most of it Ray's shutdown
+    # measured here: about 8 s on Ray, most of it Ray's shutdown; 1-2 s in process (the client in training)
+    assert stopped_in < 30, stopped_in
     assert "fedmm resume=" in output
     time.sleep(1)
     assert pids_mentioning(ray_env["RAY_TMPDIR"]) == []  # Ray and its workers are gone
@@ -48,3 +60,48 @@ def test_sigterm_stops_within_seconds_with_a_checkpoint(tmp_path: Path, ray_env:
     checkpoint = load_checkpoint(run)
     assert checkpoint["round"] == done and [r["round"] for r in checkpoint["metrics"]] == list(range(done + 1))
     assert [r["round"] for r in read_metrics(run)] == list(range(done + 1))
+
+
+#: ``fedmm`` whose clients train for a long time from round 2 on (torch work, as real training).
+SLOW_FEDMM = """
+import sys, time, torch
+from client_app import work
+train_reply = work.train_reply
+def slow(msg, context):
+    if int(msg.content["config"]["server-round"]) >= 2:
+        end = time.time() + 60
+        while time.time() < end:
+            torch.randn(300, 300) @ torch.randn(300, 300)
+    return train_reply(msg, context)
+work.train_reply = slow
+from launch.cli import main
+sys.argv = ["fedmm", *sys.argv[1:]]
+main()
+"""
+
+
+def test_a_second_signal_stops_the_in_process_engine_at_once_and_cleanly(tmp_path: Path, ray_env: dict) -> None:
+    """The first signal waits for the client in training; a second one, sent during that wait,
+    stops at once, with exit status 130, not the abort of an interpreter shut down under a
+    running torch thread."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-c", SLOW_FEDMM, "num_rounds=5", "num_clients=2", "clients_per_round=1",
+           "training.local_epochs=1", "checkpoint_every=100", f"hydra.run.dir={run}"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=ray_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 300
+    while not ((run / "metrics.jsonl").exists() and len(read_metrics(run)) >= 2):
+        assert proc.poll() is None and time.time() < deadline, "the run did not reach round 1"
+        time.sleep(0.3)
+    time.sleep(1)  # round 2's client is training
+    proc.send_signal(signal.SIGTERM)
+    while not (run / "summary.json").exists():  # the run's files are written, then the wait for the client
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.2)
+    time.sleep(1)
+    assert proc.poll() is None  # still waiting for the client
+    proc.send_signal(signal.SIGTERM)
+    start = time.time()
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, output[-3000:]
+    assert time.time() - start < 10
+    assert json.loads((run / "summary.json").read_text())["status"] == "interrupted"

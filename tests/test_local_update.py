@@ -219,13 +219,20 @@ def test_client_error_extracts_the_clients_own_exception() -> None:
     assert client_error(ray_trace) == "RuntimeError: injected failure on partition 0"
 
 
-def test_cuda_out_of_memory_becomes_advice_and_frees_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("engine", "advice"), [
+    ("simulation.client_gpus=0.25", "simulation.client_gpus=0.25 (4 ClientApps per GPU)"),
+    ("simulation.engine=local", "one ClientApp at a time, beside what its process holds on the device"),
+])
+def test_cuda_out_of_memory_becomes_advice_and_frees_the_cache(monkeypatch: pytest.MonkeyPatch, engine: str, advice: str) -> None:
     """A CUDA OOM inside a ClientApp's work is re-raised as ClientOutOfMemory naming the GPU share
-    and the batch size (what the server log shows for that node), after emptying CUDA's cache
-    so the actor's next message starts clean."""
+    (Ray) or what shares the device (one ClientApp at a time) and the batch size (what the server
+    log shows for that node), after emptying CUDA's cache so the next message starts clean."""
     from client_app import work
 
-    run = cfg_with("simulation.client_gpus=0.25", "training.batch_size=64")
+    if "client_gpus" in engine:
+        run = cfg_with("simulation.engine=ray", engine, "training.batch_size=64")
+    else:
+        run = cfg_with(engine, "training.batch_size=64")
     emptied: list[bool] = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
@@ -236,7 +243,7 @@ def test_cuda_out_of_memory_becomes_advice_and_frees_the_cache(monkeypatch: pyte
     text = str(caught.value)
     assert emptied == [True]
     assert "during local training (512 MiB free of 8192 MiB" in text
-    assert "simulation.client_gpus=0.25 (4 ClientApps per GPU)" in text and "training.batch_size=64" in text
+    assert advice in text and "training.batch_size=64" in text
     assert "Tried to allocate 2.00 GiB" in text
     with pytest.raises(ValueError):  # anything else passes through untouched
         with work.cuda_memory_advice(run, "evaluation"):

@@ -1,0 +1,525 @@
+"""The in-process simulation engine: a Flower ``Grid`` whose N virtual SuperNodes run a ClientApp
+in the ServerApp's own process, one message at a time, without Ray.
+
+    from fedmm.local_engine import run_local_simulation
+    run_local_simulation(server_app=server_app, client_app=client_app, num_supernodes=100)
+
+It takes the place of Flower's simulation engine (``flwr.simulation.run_simulation``, Ray
+backend) for one machine and one device. What a strategy and a ClientApp see is what Flower's
+simulation gives them:
+
+- **nodes**: N virtual SuperNodes with random 63-bit node ids (as Flower draws them) and the node
+  config Flower's simulation gives each (``partition-id``, ``num-partitions``); one ``Context``
+  per node whose ``state`` persists across rounds. As in Flower's engine, a ClientApp call that
+  raises leaves the node's context as it was before the call (Flower ships the context to a Ray
+  actor and stores back only what a successful call returns), and a ClientApp may not change its
+  ``run_config``;
+- **messages** (:class:`LocalGrid`, a ``flwr.serverapp.Grid``): ``push_messages`` gives every
+  message a fresh message id and checks it as Flower's in-memory grid and link state do (an
+  invalid message raises ``ValueError``; one addressed to an unknown node is logged and gets no
+  id); a worker thread delivers them in push order, stamping ``delivered_at``; ``pull_messages``
+  returns each reply once, as a reply to its message (``reply_to_message_id``), and, for a message
+  whose TTL ran out before its reply was pulled, or an id the grid does not know, Flower's
+  "message unavailable" error reply; a reply whose own TTL ran out is Flower's "reply message
+  unavailable" error. ``send_and_receive`` waits for the replies until its timeout;
+- **the ClientApp** is called through Flower's public call path, ``ClientApp.__call__(message,
+  context)``, so its mods run as in any Flower runtime. An exception in it becomes the error
+  reply Flower's engine makes of it (``ErrorCode.CLIENT_APP_RAISED_EXCEPTION``, the reason naming
+  the exception and carrying its traceback), never an error in the server. A reply that is not a
+  valid reply to its message (Flower's link state drops such a reply, and the server waits for it
+  until its timeout) becomes an error reply naming what is wrong with it.
+
+**No aliasing, one copy.** The server and the clients live in one process, so the engine keeps
+them apart the way a transport does, with the least copying that takes: the ClientApp gets its
+own records (new ``RecordDict``, ``ArrayRecord``, ``ConfigRecord``, ``Array`` objects) and its own
+copy of every array's bytes, made when the message is delivered (a ClientApp that writes into
+the buffer of its received model, e.g. through ``torch.frombuffer``, writes into its copy); the
+server gets the reply's records anew around the bytes the ClientApp produced (no copy: nothing
+the server does writes into them). A pushed message's records are released once it is
+delivered. Flower's Ray engine serializes every message and context both ways instead.
+
+The ServerApp runs in the calling thread (signal handlers, Ctrl-C and the server's own timeouts
+work as in any Flower runtime); the ClientApp runs in one worker thread, so the server decodes a
+reply while the next client trains. Nothing here imports Ray.
+"""
+
+from __future__ import annotations
+
+import copy
+import secrets
+import threading
+import time
+import traceback
+import uuid
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from logging import DEBUG, ERROR, INFO
+from typing import Any
+
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.clientapp.client_app import ClientAppException
+from flwr.common.constant import MESSAGE_TTL_TOLERANCE, NUM_PARTITIONS_KEY, PARTITION_ID_KEY, SUPERLINK_NODE_ID, ErrorCode
+from flwr.serverapp import Grid, ServerApp
+from flwr.supercore import log
+from flwr.supercore.date import now
+from flwr.supercore.run import Run
+from flwr.supercore.task_identity import TaskIdentity
+
+#: Flower's reasons for the error replies of its link state (``flwr.server.superlink.linkstate.utils``).
+MESSAGE_UNAVAILABLE_REASON = (
+    "Error: Message Unavailable - The requested message could not be found in the database. It may have "
+    "expired due to its TTL, been deleted because the destination SuperNode was removed from the "
+    "federation, or never existed."
+)
+REPLY_MESSAGE_UNAVAILABLE_REASON = "Error: Reply Message Unavailable - The reply message has expired."
+#: Flower's message type of the link state's own error replies.
+SYSTEM_MESSAGE_TYPE = "system"
+#: The name of the thread that runs the ClientApp.
+WORKER_NAME = "fedmm-local-clients"
+#: The grids whose worker is running a ClientApp right now (see :func:`clients_running`).
+_BUSY: set[int] = set()
+
+
+# =============================================================================== records
+def _array(array: Array, copy_bytes: bool) -> Array:
+    data = array.data
+    if copy_bytes or not isinstance(data, bytes):
+        data = memoryview(data).tobytes()  # exactly one copy, a new object
+    return Array(dtype=array.dtype, shape=tuple(array.shape), stype=array.stype, data=data)
+
+
+def _value(value: Any) -> Any:
+    return list(value) if isinstance(value, list) else value  # scalars, str and bytes are immutable
+
+
+def detached(content: RecordDict, copy_bytes: bool) -> RecordDict:
+    """A ``RecordDict`` with the records of ``content`` that shares no mutable object with it:
+    new records and ``Array`` objects, lists copied; each array's bytes copied when
+    ``copy_bytes``, else shared (``bytes`` cannot be changed from Python)."""
+    out = RecordDict()
+    for name, record in content.items():
+        if isinstance(record, ArrayRecord):
+            fresh = ArrayRecord()
+            for key, array in record.items():
+                fresh[key] = _array(array, copy_bytes)
+            out[name] = fresh
+        elif isinstance(record, ConfigRecord):
+            out[name] = ConfigRecord({key: _value(value) for key, value in record.items()})
+        else:
+            out[name] = MetricRecord({key: _value(value) for key, value in record.items()})
+    return out
+
+
+def _with_metadata(metadata: Any, content: RecordDict | None = None, error: Error | None = None) -> Message:
+    fresh = copy.copy(metadata)
+    return Message(metadata=fresh, content=content, error=error)
+
+
+def _error_reply(metadata: Any, code: int, reason: str) -> Message:
+    """An error reply to the message with ``metadata``, from its destination node, as Flower's
+    engine makes one."""
+    reply = Message(Error(code=code, reason=reason), reply_to=_with_metadata(metadata, RecordDict()))
+    reply.metadata.__dict__["_message_id"] = str(uuid.uuid4())
+    return reply
+
+
+def _unavailable(message_id: str, run_id: int, ins: Any | None, reply_expired: bool) -> Message:
+    """Flower's link-state error reply for a message that is gone, expired or unknown
+    (``MESSAGE_UNAVAILABLE``), or whose reply expired (``REPLY_MESSAGE_UNAVAILABLE``)."""
+    from flwr.app.metadata import Metadata
+
+    current = now().timestamp()
+    if reply_expired and ins is not None:
+        metadata = Metadata(run_id=ins.run_id, message_id="", src_node_id=SUPERLINK_NODE_ID,
+                            dst_node_id=SUPERLINK_NODE_ID, reply_to_message_id=ins.message_id,
+                            group_id=ins.group_id, created_at=current,
+                            ttl=max(ins.ttl - (current - ins.created_at), 0), message_type=ins.message_type,
+                            src_task_id=ins.dst_task_id, dst_task_id=ins.src_task_id)
+        error = Error(code=ErrorCode.REPLY_MESSAGE_UNAVAILABLE, reason=REPLY_MESSAGE_UNAVAILABLE_REASON)
+    else:
+        metadata = Metadata(run_id=run_id, message_id="", src_node_id=SUPERLINK_NODE_ID,
+                            dst_node_id=SUPERLINK_NODE_ID, reply_to_message_id=message_id, group_id="",
+                            created_at=current, ttl=0, message_type=SYSTEM_MESSAGE_TYPE)
+        error = Error(code=ErrorCode.MESSAGE_UNAVAILABLE, reason=MESSAGE_UNAVAILABLE_REASON)
+    metadata.__dict__["_message_id"] = str(uuid.uuid4())
+    return Message(metadata=metadata, error=error)
+
+
+def _expired(metadata: Any, current: float) -> bool:
+    return metadata.created_at + metadata.ttl < current
+
+
+def message_problems(message: Message, reply_to: Any | None = None) -> list[str]:
+    """What makes ``message`` invalid as a server message (``reply_to`` None) or as the reply to
+    the message with metadata ``reply_to``: the checks of Flower's link state
+    (``flwr.server.utils.validator.validate_message`` and ``store_message_res``)."""
+    problems: list[str] = []
+    m = message.metadata
+    if m.created_at < 1740700800.0:  # Flower's bound: 28 February 2025
+        problems.append("`metadata.created_at` is not the unix time the message was created")
+    if m.ttl <= 0:
+        problems.append("`metadata.ttl` must be higher than zero")
+    elif m.created_at + m.ttl <= time.time():
+        problems.append("its TTL has expired")
+    if not m.dst_node_id:
+        problems.append("`metadata.dst_node_id` is not set")
+    if not m.message_type:
+        problems.append("`metadata.message_type` is not set")
+    if message.has_content() == message.has_error():
+        problems.append("it must carry content or an error (not both)")
+    if reply_to is None:
+        if m.reply_to_message_id:
+            problems.append("`metadata.reply_to_message_id` must not be set")
+        if m.src_node_id != SUPERLINK_NODE_ID:
+            problems.append(f"`metadata.src_node_id` is not {SUPERLINK_NODE_ID} (the ServerApp's node id)")
+        return problems
+    if m.reply_to_message_id != reply_to.message_id:
+        problems.append(f"it replies to message {m.reply_to_message_id!r}, not {reply_to.message_id!r} "
+                        "(build it with Message(content, reply_to=message))")
+    if m.src_node_id != reply_to.dst_node_id:
+        problems.append(f"it comes from node {m.src_node_id}, not from {reply_to.dst_node_id}")
+    if m.dst_node_id != SUPERLINK_NODE_ID:
+        problems.append(f"it is addressed to node {m.dst_node_id}, not to the ServerApp ({SUPERLINK_NODE_ID})")
+    if m.run_id != reply_to.run_id:
+        problems.append(f"its run id {m.run_id} is not the message's {reply_to.run_id}")
+    allowed = reply_to.created_at + reply_to.ttl - m.created_at
+    if m.ttl and m.ttl - allowed > MESSAGE_TTL_TOLERANCE:
+        problems.append(f"its TTL {m.ttl:.2f} exceeds the {allowed:.2f} s left to the message")
+    return problems
+
+
+def raised_reason(err: BaseException) -> str:
+    """The reason of the error reply for a ClientApp that raised ``err``: Flower's engine's
+    format for a ``ClientAppException`` (``<class '...'>:<'...'>``), whose message holds the
+    ClientApp's own exception line first, then its traceback (as Ray's does)."""
+    own = "".join(traceback.format_exception_only(type(err), err)).strip()
+    trace = "".join(traceback.format_exception(type(err), err, err.__traceback__)).strip()
+    wrapped = ClientAppException(f"{own}\n\n{trace}")
+    return f"{type(wrapped)}:<'{wrapped}'>"
+
+
+# =============================================================================== global random state
+class RandomStates:
+    """The process's global random generators (Python's ``random``, NumPy's global generator,
+    torch's default CPU generator and, once CUDA is initialised, its CUDA generators): captured
+    with :meth:`capture`, put back with :meth:`restore`.
+
+    Ray runs ClientApps in their own processes, so what a ClientApp does to the global generators
+    (``torch.manual_seed`` before its batches, a ``random.seed`` in a user's ClientApp) never
+    reaches the ServerApp's. The in-process engine keeps the two apart the same way: the clients
+    draw from one set of global states, the server from its own, swapped around every ClientApp
+    call. (Server code that draws from a global generator while a client runs would draw from the
+    clients' states: no strategy of this project does; they draw from generators of their own.)
+    """
+
+    def __init__(self, states: tuple[Any, ...]) -> None:
+        self.states = states
+
+    @classmethod
+    def capture(cls) -> RandomStates:
+        import random
+        import sys
+
+        import numpy as np
+
+        torch = sys.modules.get("torch")
+        cpu = torch.random.get_rng_state() if torch is not None else None
+        cuda = torch.cuda.get_rng_state_all() if torch is not None and torch.cuda.is_initialized() else None
+        return cls((random.getstate(), np.random.get_state(), cpu, cuda))
+
+    def restore(self) -> None:
+        import random
+        import sys
+
+        import numpy as np
+
+        python, numpy_state, cpu, cuda = self.states
+        random.setstate(python)
+        np.random.set_state(numpy_state)
+        torch = sys.modules.get("torch")
+        if torch is not None and cpu is not None:
+            torch.random.set_rng_state(cpu)
+        if torch is not None and cuda is not None and torch.cuda.is_initialized():
+            torch.cuda.set_rng_state_all(cuda)
+
+
+# =============================================================================== the grid
+@dataclass
+class _Pending:
+    """A pushed message: its metadata, and its records until it is delivered."""
+
+    metadata: Any
+    message: Message | None
+    reply: Message | None = None
+
+
+class LocalGrid(Grid):
+    """A Flower ``Grid`` over N virtual SuperNodes that run ``client_app`` in this process.
+
+    Parameters
+    ----------
+    client_app : ClientApp
+        The ClientApp every node runs (called as ``client_app(message, context)``).
+    num_supernodes : int
+        N: the virtual SuperNodes, with partition ids 0 .. N-1.
+    run : Run, optional
+        The run (default: a new run id, as Flower's ``run_simulation`` makes one).
+    run_config : mapping, optional
+        Every node's ``Context.run_config`` (Flower's simulation of app objects: empty).
+
+    Use it as a context manager (or call :meth:`close`): its worker thread runs from the first
+    push until then.
+    """
+
+    def __init__(self, client_app: ClientApp, num_supernodes: int, run: Run | None = None,
+                 run_config: Mapping[str, Any] | None = None) -> None:
+        if not isinstance(client_app, ClientApp):
+            raise TypeError(f"client_app must be a flwr ClientApp, got {type(client_app).__name__}")
+        if isinstance(num_supernodes, bool) or not isinstance(num_supernodes, int) or num_supernodes < 1:
+            raise ValueError(f"num_supernodes must be an integer >= 1, got {num_supernodes!r}")
+        self.client_app = client_app
+        if run is None:
+            run = Run.create_empty(run_id=secrets.randbits(63) or 1)
+        self._run = run
+        self._run_config = dict(run_config or {})
+        ids: list[int] = []
+        while len(ids) < num_supernodes:  # distinct, never the ServerApp's own id
+            node_id = secrets.randbits(63)
+            if node_id not in (0, SUPERLINK_NODE_ID) and node_id not in ids:
+                ids.append(node_id)
+        self._contexts = {
+            node_id: Context(run_id=run.run_id, node_id=node_id,
+                             node_config={PARTITION_ID_KEY: partition, NUM_PARTITIONS_KEY: num_supernodes},
+                             state=RecordDict(), run_config=dict(self._run_config))
+            for partition, node_id in enumerate(ids)
+        }
+        self._pending: dict[str, _Pending] = {}
+        self._queue: deque[str] = deque()
+        self._lock = threading.Condition()
+        self._closed = False
+        self._worker: threading.Thread | None = None
+        #: The clients' side of the global random generators (see :class:`RandomStates`).
+        self._client_random: RandomStates | None = None
+        self.messages_handled = 0
+
+    # ------------------------------------------------------------------ Grid API
+    def set_run(self, run: Run) -> None:
+        """Operate in ``run`` (its id becomes the nodes' run id)."""
+        if not isinstance(run, Run):
+            raise TypeError(f"`run` must be an instance of Run, got {type(run).__name__}")
+        self._run = run
+        for context in self._contexts.values():
+            context.run_id = run.run_id
+
+    @property
+    def run(self) -> Run:
+        """The run (a copy)."""
+        return Run(**vars(self._run))
+
+    def create_message(self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str,
+                       ttl: float | None = None) -> Message:
+        """A new message (Flower deprecates this in favour of ``Message(...)``)."""
+        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
+
+    def get_node_ids(self) -> list[int]:
+        """The node ids, in partition order."""
+        return list(self._contexts)
+
+    def context(self, node_id: int) -> Context:
+        """The ``Context`` node ``node_id`` keeps across rounds."""
+        return self._contexts[node_id]
+
+    def push_messages(self, messages: Iterable[Message]) -> list[str]:
+        """Give each message an id and queue it for its node (see the module docstring)."""
+        ids: list[str] = []
+        for message in messages:
+            message.metadata.__dict__["_message_id"] = str(uuid.uuid4())
+            m = message.metadata
+            if not (m.message_id and not m.reply_to_message_id and m.ttl > 0 and m.delivered_at == ""):
+                raise ValueError(f"Invalid message: {message}")
+            problems = message_problems(message)
+            if m.run_id != self._run.run_id:
+                problems.append(f"its run id {m.run_id} is not this run's {self._run.run_id}")
+            if m.dst_node_id not in self._contexts:
+                problems.append(f"its destination node {m.dst_node_id} is not a node of this federation")
+            if problems:
+                log(ERROR, "Invalid message to node %s: %s", m.dst_node_id, "; ".join(problems))
+                continue
+            with self._lock:
+                self._pending[m.message_id] = _Pending(m, message)
+                self._queue.append(m.message_id)
+                self._start_worker()
+                self._lock.notify_all()
+            ids.append(m.message_id)
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> list[Message]:
+        """The replies that are in, each once; Flower's error replies for messages that expired
+        or that the grid does not know (see the module docstring)."""
+        current = time.time()
+        replies: list[Message] = []
+        with self._lock:
+            for message_id in set(message_ids):
+                pending = self._pending.get(message_id)
+                if pending is None or _expired(pending.metadata, current):
+                    self._pending.pop(message_id, None)
+                    replies.append(_unavailable(message_id, self._run.run_id, None, False))
+                elif pending.reply is not None:
+                    del self._pending[message_id]
+                    reply = pending.reply
+                    if _expired(reply.metadata, current):
+                        reply = _unavailable(message_id, self._run.run_id, pending.metadata, True)
+                    reply.metadata.delivered_at = now().isoformat()
+                    replies.append(reply)
+        return replies
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
+        """Push ``messages``, then wait for their replies until all are in or ``timeout`` seconds
+        pass (None: no limit)."""
+        waiting = set(self.push_messages(messages))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        replies: list[Message] = []
+        while waiting:
+            got = self.pull_messages(waiting)
+            replies.extend(got)
+            waiting.difference_update(r.metadata.reply_to_message_id for r in got)
+            if not waiting:
+                break
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                break
+            with self._lock:
+                if not any(self._pending.get(i) is not None and self._pending[i].reply is not None for i in waiting):
+                    self._lock.wait(timeout=min(left, 1.0) if left is not None else 1.0)
+        return replies
+
+    # ------------------------------------------------------------------ the worker
+    def _start_worker(self) -> None:
+        if self._worker is None and not self._closed:
+            self._worker = threading.Thread(target=self._work, name=WORKER_NAME, daemon=True)
+            self._worker.start()
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                while not self._queue and not self._closed:
+                    self._lock.wait()
+                if self._closed:
+                    return
+                message_id = self._queue.popleft()
+                pending = self._pending.get(message_id)
+                if pending is None or pending.message is None:
+                    continue  # pulled (as unavailable) before it was delivered
+                ins, pending.message = pending.message, None  # the grid releases the server's records
+                if _expired(ins.metadata, time.time()):
+                    continue  # never delivered: a pull answers "message unavailable"
+                ins.metadata.delivered_at = now().isoformat()
+            metadata = ins.metadata
+            _BUSY.add(id(self))
+            try:
+                delivered = _with_metadata(metadata, detached(ins.content, copy_bytes=True)) if ins.has_content() \
+                    else _with_metadata(metadata, error=ins.error)
+                del ins  # from here on the client holds its own copy only
+                reply = self._handle(metadata, delivered)
+            except Exception as err:  # noqa: BLE001 - the engine's own failure: the node's error reply, never a dead worker
+                reply = _error_reply(metadata, ErrorCode.UNKNOWN, raised_reason(err))
+            finally:
+                _BUSY.discard(id(self))
+            with self._lock:
+                self.messages_handled += 1
+                pending = self._pending.get(message_id)
+                if pending is not None:
+                    pending.reply = reply
+                    self._lock.notify_all()
+
+    def _handle(self, metadata: Any, delivered: Message) -> Message:
+        """Run the ClientApp on ``delivered`` (the node's own copy of the message with
+        ``metadata``) and on a copy of its node's context; the reply, or the error reply
+        Flower's engine would make."""
+        node_id = metadata.dst_node_id
+        stored = self._contexts[node_id]
+        context = Context(run_id=stored.run_id, node_id=node_id, node_config=dict(stored.node_config),
+                          state=detached(stored.state, copy_bytes=False), run_config=dict(stored.run_config))
+        server_random = RandomStates.capture()
+        if self._client_random is not None:
+            self._client_random.restore()
+        try:
+            out = self.client_app(delivered, context)
+        except Exception as err:  # noqa: BLE001 - a ClientApp's failure is its node's error reply
+            log(ERROR, "ClientApp of node %s raised %s: %s", node_id, type(err).__name__, err)
+            return _error_reply(metadata, ErrorCode.CLIENT_APP_RAISED_EXCEPTION, raised_reason(err))
+        except BaseException as err:  # SystemExit and the like end a Ray actor: the node's error too
+            if isinstance(err, KeyboardInterrupt):
+                raise
+            return _error_reply(metadata, ErrorCode.CLIENT_APP_CRASHED, raised_reason(err))
+        finally:
+            self._client_random = RandomStates.capture()
+            server_random.restore()
+        del delivered
+        if context.run_config != self._run_config:
+            reason = (f"<class 'ValueError'>:<'The `run_config` field of the `Context` object cannot be modified "
+                      f"(run_id: {context.run_id}).'>")
+            return _error_reply(metadata, ErrorCode.UNKNOWN, reason)
+        if not isinstance(out, Message):
+            return _error_reply(metadata, ErrorCode.CLIENT_APP_RAISED_EXCEPTION,
+                                f"<class 'TypeError'>:<'the ClientApp returned {type(out).__name__}, not a Message'>")
+        out.metadata.__dict__["_message_id"] = str(uuid.uuid4())
+        problems = message_problems(out, reply_to=metadata)
+        if problems:
+            return _error_reply(metadata, ErrorCode.CLIENT_APP_RAISED_EXCEPTION,
+                                f"<class 'ValueError'>:<'invalid reply from the ClientApp: {'; '.join(problems)}'>")
+        self._contexts[node_id] = context  # the call succeeded: its context is the node's now
+        if out.has_content():
+            return _with_metadata(out.metadata, detached(out.content, copy_bytes=False))
+        return _with_metadata(out.metadata, error=Error(code=out.error.code, reason=out.error.reason))
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Drop every pending message and wait for the worker to finish the message it is
+        handling (a ClientApp cannot be stopped half-way; a process that exits while one runs
+        in its worker thread aborts). A signal that raises in the waiting thread ends the wait."""
+        with self._lock:
+            self._closed = True
+            self._queue.clear()
+            self._pending.clear()
+            self._lock.notify_all()
+        worker = self._worker
+        if worker is not None and worker is not threading.current_thread():
+            worker.join()
+
+    def __enter__(self) -> LocalGrid:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def clients_running() -> bool:
+    """Whether a ClientApp of an in-process simulation is running in this process (e.g. after a
+    second stop signal cut short the wait for it). Counted by the workers themselves: a
+    ``Thread.join`` interrupted by a signal may mark a running thread as stopped (Python < 3.13)."""
+    return bool(_BUSY)
+
+
+# =============================================================================== the runtime
+def run_local_simulation(server_app: ServerApp, client_app: ClientApp, num_supernodes: int,
+                         run_config: Mapping[str, Any] | None = None) -> Context:
+    """Run ``server_app`` in this thread against ``num_supernodes`` virtual SuperNodes that run
+    ``client_app`` in this process (the in-process counterpart of Flower's ``run_simulation``);
+    return the ServerApp's context. An exception of the ServerApp propagates."""
+    grid = LocalGrid(client_app, num_supernodes, run_config=run_config)
+    run = grid.run
+    context = Context(run_id=run.run_id, node_id=0, node_config={}, state=RecordDict(), run_config=dict(run_config or {}))
+    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
+    # Messages the ServerApp builds take the run and node identity of the running task.
+    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, run.run_id, SUPERLINK_NODE_ID
+    log(INFO, "In-process simulation: %d virtual SuperNodes, their ClientApp in this process", num_supernodes)
+    try:
+        with grid:
+            server_app(grid=grid, context=context)
+    finally:
+        TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+        log(DEBUG, "In-process simulation: %d messages handled", grid.messages_handled)
+    return context
