@@ -268,13 +268,16 @@ class LocalGrid(Grid):
         The run (default: a new run id, as Flower's ``run_simulation`` makes one).
     run_config : mapping, optional
         Every node's ``Context.run_config`` (Flower's simulation of app objects: empty).
+    node_ids : list of int, optional
+        The nodes' ids in partition order (default: random, as Flower draws them); e.g. those of
+        another simulation, to run it again with the same ids.
 
     Use it as a context manager (or call :meth:`close`): its worker thread runs from the first
     push until then.
     """
 
     def __init__(self, client_app: ClientApp, num_supernodes: int, run: Run | None = None,
-                 run_config: Mapping[str, Any] | None = None) -> None:
+                 run_config: Mapping[str, Any] | None = None, node_ids: list[int] | None = None) -> None:
         if not isinstance(client_app, ClientApp):
             raise TypeError(f"client_app must be a flwr ClientApp, got {type(client_app).__name__}")
         if isinstance(num_supernodes, bool) or not isinstance(num_supernodes, int) or num_supernodes < 1:
@@ -285,6 +288,11 @@ class LocalGrid(Grid):
         self._run = run
         self._run_config = dict(run_config or {})
         ids: list[int] = []
+        if node_ids is not None:
+            ids = [int(n) for n in node_ids]
+            if len(ids) != num_supernodes or len(set(ids)) != len(ids) or any(n in (0, SUPERLINK_NODE_ID) or n < 0 for n in ids):
+                raise ValueError(f"node_ids must be {num_supernodes} distinct ids other than 0 and {SUPERLINK_NODE_ID}, "
+                                 f"got {node_ids!r}")
         while len(ids) < num_supernodes:  # distinct, never the ServerApp's own id
             node_id = secrets.randbits(63)
             if node_id not in (0, SUPERLINK_NODE_ID) and node_id not in ids:
@@ -505,11 +513,12 @@ def clients_running() -> bool:
 
 # =============================================================================== the runtime
 def run_local_simulation(server_app: ServerApp, client_app: ClientApp, num_supernodes: int,
-                         run_config: Mapping[str, Any] | None = None) -> Context:
+                         run_config: Mapping[str, Any] | None = None, node_ids: list[int] | None = None) -> Context:
     """Run ``server_app`` in this thread against ``num_supernodes`` virtual SuperNodes that run
     ``client_app`` in this process (the in-process counterpart of Flower's ``run_simulation``);
-    return the ServerApp's context. An exception of the ServerApp propagates."""
-    grid = LocalGrid(client_app, num_supernodes, run_config=run_config)
+    return the ServerApp's context. An exception of the ServerApp propagates. ``run_config`` and
+    ``node_ids``: as :class:`LocalGrid` takes them."""
+    grid = LocalGrid(client_app, num_supernodes, run_config=run_config, node_ids=node_ids)
     run = grid.run
     context = Context(run_id=run.run_id, node_id=0, node_config={}, state=RecordDict(), run_config=dict(run_config or {}))
     saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)

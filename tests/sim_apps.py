@@ -78,3 +78,69 @@ def recording_server_app(cfg: dict | list[dict], log: list, out: dict) -> Server
             out["dir"] = out["dirs"][-1]
 
     return app
+
+
+class _Draws:
+    """Stands in for :mod:`secrets` in :mod:`fedmm.secure`: the layer draws of one message,
+    from a seed of the message's place in the protocol (not from the OS)."""
+
+    def __init__(self, seed: int) -> None:
+        import random
+
+        self._random = random.Random(seed)
+
+    def randbits(self, k: int) -> int:
+        return self._random.getrandbits(k)
+
+
+def engines_client_app() -> ClientApp:
+    """The ClientApp that both engines run in tests/test_engines.py: bench/faults.py's (the real
+    ClientApp, with the fault the experiment's folder names injected: a hostile node), and
+    secure recombination's random layer choices drawn from a seed of (partition, round, message
+    type, exchange, attempt, repetition), so that the same run is the same on both engines (the
+    real ClientApp draws them from the OS, as the protocol requires)."""
+    import sys
+    from pathlib import Path
+
+    bench = str(Path(__file__).resolve().parent.parent / "bench")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    import faults
+
+    from fedmm import protocol
+
+    app = faults.faulty_client_app()
+
+    def seeded(msg: Message, context: Context) -> Message:
+        from fedmm import secure as library
+
+        s = msg.content[protocol.SECURE]
+        place = (int(context.node_config["partition-id"]), protocol.server_round(msg), msg.metadata.message_type,
+                 str(s.get(protocol.SECURE_EXCHANGE, "")), int(s.get(protocol.SECURE_ATTEMPT, 0)),
+                 int(s.get(protocol.SECURE_REP, 0)))
+        saved, library.secrets = library.secrets, _Draws(int.from_bytes(hashlib.sha256(repr(place).encode()).digest()[:8], "big"))
+        try:
+            return real.secure.handle(msg, context, real._secure_train)
+        finally:
+            library.secrets = saved
+
+    for action in ("secure_keys", "secure_send", "secure_return", "secure_upload"):
+        app.train(action)(seeded)
+    return app
+
+
+def node_ids_by_partition(grid: Grid, nodes: int) -> list[int]:
+    """The node ids of a federation of ``nodes`` nodes in partition order, asked of the nodes (a
+    roster query) once all of them are connected."""
+    from flwr.app import ConfigRecord, RecordDict
+
+    from fedmm import protocol
+    from server_app.runner import federation_size
+
+    assert federation_size(grid, expected=nodes) == nodes
+
+    queries = [Message(RecordDict({protocol.CONFIG: ConfigRecord({protocol.ROSTER_QUERY: 1})}), n, MessageType.QUERY)
+               for n in grid.get_node_ids()]
+    replies = grid.send_and_receive(queries, timeout=300)
+    keyed = {str(r.content[protocol.ROSTER][protocol.NODE_KEY]): r.metadata.src_node_id for r in replies}
+    return [keyed[key] for key in sorted(keyed)]
