@@ -60,15 +60,18 @@ def mark(name: str) -> None:
     MARKS.setdefault(name, time.time())
 
 
-def install_phase_marks() -> None:
-    """Mark Ray's start, the ServerApp's main, the strategy's start and end and every round's
-    end in this (child) process, by wrapping the functions that do them (never in the files)."""
+def install_phase_marks(ray_engine: bool = True) -> None:
+    """Mark Ray's start (``ray_engine``), the ServerApp's main, the strategy's start and end and
+    every round's end in this (child) process, by wrapping the functions that do them (never in
+    the files)."""
     import functools
 
-    try:
-        import ray
-    except ImportError:
-        ray = None
+    ray = None
+    if ray_engine:
+        try:
+            import ray
+        except ImportError:
+            pass
 
     def around(owner: Any, name: str, before: str | None, after: str | None, per_round: bool = False) -> None:
         fn = getattr(owner, name)
@@ -137,12 +140,16 @@ def num_cores() -> int:
         return os.cpu_count() or 1
 
 
-def compose_cfg(args: argparse.Namespace, strategy: str, client_cpus: float, output_dir: Path) -> dict[str, Any]:
-    """The resolved run config of one measurement (the app's defaults plus the options)."""
+def compose_cfg(args: argparse.Namespace, strategy: str, client_cpus: float | None, output_dir: Path,
+                engine: str = "ray") -> dict[str, Any]:
+    """The resolved run config of one measurement (the app's defaults plus the options) on
+    ``engine`` (``client_cpus``: the Ray engine's ``simulation.client_cpus``)."""
     from fedmm import config as config_mod
 
     overrides = [f"strategy={strategy}", f"num_rounds={args.rounds}", f"seed={args.seed}",
-                 f"output_dir={output_dir}", f"simulation.client_cpus={client_cpus}"]
+                 f"output_dir={output_dir}", f"simulation.engine={engine}"]
+    if engine == "ray":
+        overrides.append(f"simulation.client_cpus={client_cpus}")
     for key, value in (("num_clients", args.num_clients), ("clients_per_round", args.clients_per_round),
                        ("training.local_epochs", args.local_epochs), ("model", args.model)):
         if value is not None:
@@ -279,8 +286,10 @@ def instrument_server() -> ServerTimers:
 
 
 def child_flower(spec: dict[str, Any]) -> dict[str, Any]:
-    """Run the app through ``run_job`` and read its metrics."""
-    import flwr.simulation  # noqa: F401 - imported before the clock starts (as the app is)
+    """Run the app through ``run_job`` (on the engine its config names) and read its metrics."""
+    ray_engine = spec["cfg"]["simulation"]["engine"] == "ray"
+    if ray_engine:
+        import flwr.simulation  # noqa: F401 - imported before the clock starts (as the app is)
     import torch  # noqa: F401
 
     import client_app.client_app  # noqa: F401
@@ -288,7 +297,7 @@ def child_flower(spec: dict[str, Any]) -> dict[str, Any]:
     from fedmm.results import read_metrics
 
     mark("imports")
-    install_phase_marks()
+    install_phase_marks(ray_engine)
     cfg = spec["cfg"]
     timers = instrument_server()
     start = time.perf_counter()
@@ -722,9 +731,11 @@ def main() -> None:
                              "round, Dir(0.1), 5 local epochs, batch 50, cnn); the options below override it")
     parser.add_argument("--strategies", nargs="+", default=["fedavg", "fedmr", "fedcross"],
                         help="any strategy option (declared, or a preset of conf/strategy/)")
-    parser.add_argument("--runners", nargs="+", choices=["plain", "flower", "anchor"], default=["plain", "flower", "anchor"],
-                        help="plain: the sequential loop; flower: this app on Flower's simulation engine; anchor: "
-                             "Flower's built-in FedAvg with a minimal ClientApp doing the same training (run once)")
+    parser.add_argument("--runners", nargs="+", choices=["plain", "local", "flower", "anchor"],
+                        default=["plain", "local", "flower", "anchor"],
+                        help="plain: the sequential loop; local: this app on the in-process engine; flower: this app on "
+                             "Flower's simulation engine (Ray); anchor: Flower's built-in FedAvg with a minimal ClientApp "
+                             "doing the same training on Flower's simulation engine (run once)")
     parser.add_argument("--rounds", type=int, default=None, help="rounds (>= 2; default: the workload's)")
     parser.add_argument("--num-clients", type=int, default=None, help="N (default: the app's, 20)")
     parser.add_argument("--clients-per-round", type=int, default=None, help="K (default: the app's, 10)")
@@ -810,13 +821,23 @@ def main() -> None:
                                    local_epochs=cfg["training"]["local_epochs"], model=cfg["model"]["name"]))
         reference = plain_rows[0] if plain_rows else None
         flower_rows: list[dict[str, Any]] = []
+        if "local" in args.runners:
+            cfg = compose_cfg(args, strategy, None, workdir / strategy / "local" / "run", engine="local")
+            res = run_child("flower", {"cfg": cfg, "parallel": 1}, workdir / strategy / "local", args.verbose, args.repeats)
+            row = dict(res, strategy=strategy, runner="this app, in-process", parallel=1, threads=cores, client_cpus=None)
+            match = next((p for p in plain_rows if p["threads"] == cores), reference)
+            if match is not None and match["runner"] == "plain loop":
+                row.update(compared_with_threads=match["threads"],
+                           delta_accuracy=res["accuracy"][args.rounds] - match["accuracy"][args.rounds],
+                           max_weight_diff=max_weight_diff(res["final_model"], match["final_model"]))
+            flower_rows.append(row)
         for client_cpus in args.client_cpus if "flower" in args.runners else []:
             tag = f"flower-c{client_cpus:g}"
             cfg = compose_cfg(args, strategy, client_cpus, workdir / strategy / tag / "run")
             parallel = max(1, int(cores // client_cpus))
             res = run_child("flower", {"cfg": cfg, "parallel": parallel}, workdir / strategy / tag, args.verbose, args.repeats)
             threads = max(1, int(client_cpus))
-            row = dict(res, strategy=strategy, runner=f"this app, client_cpus={client_cpus:g}",
+            row = dict(res, strategy=strategy, runner=f"this app, Ray, client_cpus={client_cpus:g}",
                        parallel=parallel, threads=threads, client_cpus=client_cpus)
             # Compare with the plain loop of the same per-client thread count when there is one.
             match = next((p for p in plain_rows if p["threads"] == threads), reference)

@@ -3,8 +3,9 @@
     python bench/faults.py                      # fedavg fedmr fedcross
     python bench/faults.py --strategies fedmr   # any strategy option (e.g. fedmut clusamp scaffold feddyn)
 
-For each strategy, one simulation (Ray backend, 10 SuperNodes, K = 5 per round, 2 rounds of
-1 local epoch on the embedded data) runs one experiment per fault, one after the other. A
+For each strategy, one simulation (``--engine``: the in-process engine by default, or Flower's on
+Ray; 10 SuperNodes, K = 5 per round, 2 rounds of 1 local epoch on the embedded data) runs one
+experiment per fault, one after the other. A
 bench-only ClientApp wraps the real one and injects the fault named by the experiment's output
 folder:
 
@@ -98,11 +99,9 @@ def faulty_client_app():  # noqa: ANN201
     return app
 
 
-def run_strategy(strategy: str, root: Path, attacks: bool = False, clip: float = 5.0) -> list[dict]:
+def run_strategy(strategy: str, root: Path, attacks: bool = False, clip: float = 5.0, engine: str = "local") -> list[dict]:
     from flwr.serverapp import Grid, ServerApp
-    from flwr.simulation import run_simulation
 
-    from launch.cli import backend_config
     from fedmm.config import compose, to_container
     from server_app.runner import run_experiment
     faults = ATTACKS if attacks else FAULTS
@@ -111,7 +110,8 @@ def run_strategy(strategy: str, root: Path, attacks: bool = False, clip: float =
         cfgs = [
             to_container(compose([
                 f"strategy={strategy}", "num_clients=5", "clients_per_round=5", "num_rounds=20", "eval_every=20",
-                "round_timeout=300", f"output_dir={root / strategy / fault}", *(defence if fault.endswith("+defence") else []),
+                "round_timeout=300", f"simulation.engine={engine}", f"output_dir={root / strategy / fault}",
+                *(defence if fault.endswith("+defence") else []),
             ]))
             for fault in faults
         ]
@@ -120,7 +120,8 @@ def run_strategy(strategy: str, root: Path, attacks: bool = False, clip: float =
             to_container(compose([
                 f"strategy={strategy}", "num_clients=10", "clients_per_round=5", "num_rounds=2", "training.local_epochs=1",
                 # a short timeout only where it is the fault: elsewhere a slow start (Ray's workers) is no failure
-                f"round_timeout={6 if fault == 'straggler' else 300}", f"output_dir={root / strategy / fault}",
+                f"round_timeout={6 if fault == 'straggler' else 300}", f"simulation.engine={engine}",
+                f"output_dir={root / strategy / fault}",
             ]))
             for fault in faults
         ]
@@ -134,7 +135,17 @@ def run_strategy(strategy: str, root: Path, attacks: bool = False, clip: float =
             except Exception:  # noqa: BLE001 - the row records the status
                 pass
 
-    run_simulation(server_app=app, client_app=faulty_client_app(), num_supernodes=cfgs[0]["num_clients"], backend_config=backend_config(cfgs[0]))
+    if engine == "local":
+        from fedmm.local_engine import run_local_simulation
+
+        run_local_simulation(server_app=app, client_app=faulty_client_app(), num_supernodes=cfgs[0]["num_clients"])
+    else:
+        from flwr.simulation import run_simulation
+
+        from launch.cli import backend_config
+
+        run_simulation(server_app=app, client_app=faulty_client_app(), num_supernodes=cfgs[0]["num_clients"],
+                       backend_config=backend_config(cfgs[0]))
     rows = []
     for fault, cfg in zip(faults, cfgs):
         run = Path(cfg["output_dir"])
@@ -164,12 +175,14 @@ def main() -> None:
     parser.add_argument("--strategies", nargs="+", default=["fedavg", "fedmr", "fedcross"])
     parser.add_argument("--attacks", action="store_true", help="hostile clients (scale, flip) with the defences off and on")
     parser.add_argument("--clip", type=float, default=5.0, help="--attacks: strategy.defence.clip_update_norm of the defended rows")
+    parser.add_argument("--engine", choices=["local", "ray"], default="local",
+                        help="the simulation engine (simulation.engine): in process, or Flower's on Ray")
     parser.add_argument("--out", default=None, help="default bench/results/faults.json (--attacks: attacks.json)")
     args = parser.parse_args()
     args.out = args.out or str(Path(__file__).parent / "results" / ("attacks.json" if args.attacks else "faults.json"))
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     root = Path(tempfile.mkdtemp(prefix="fedmm-faults-"))
-    rows = [row for strategy in args.strategies for row in run_strategy(strategy, root, args.attacks, args.clip)]
+    rows = [row for strategy in args.strategies for row in run_strategy(strategy, root, args.attacks, args.clip, args.engine)]
     if args.attacks:
         print("| strategy | clean | scale ×100 | scale, defended | flip ×−10 | flip, defended |")
         print("|---|---|---|---|---|---|")

@@ -1,7 +1,8 @@
 """Scale: one simulation with many clients (default N = 1,000, K = 100 per round) on a small
-model, through the app's own entry point (``launch.cli.run_job``, Ray backend). Reports whether
-it completes, seconds per round, start-up time, and the peak memory of the server process and
-of the whole run (the server plus every Ray process it started).
+model, through the app's own entry point (``launch.cli.run_job``) on the engine ``--engine`` names
+(the in-process engine by default; ``ray``: Flower's). Reports whether it completes, seconds per
+round, start-up time, and the peak memory of the server process and of the whole run (the server
+plus every Ray process it started).
 
     python bench/scale.py                                    # N=1000, K=100, cnn, mnist5k iid, 1 epoch, 3 rounds
     python bench/scale.py --strategies fedmr --model lenet   # one strategy, the smaller model
@@ -13,8 +14,8 @@ clients go empty).
 
 Memory:
 
-- server: the process that calls ``run_job`` (it runs the ServerApp, Flower's in-memory
-  SuperLink state and the Ray driver). ``server peak`` is the largest resident set sampled
+- server: the process that calls ``run_job`` (it runs the ServerApp and, in process, the
+  ClientApps; on Ray, Flower's in-memory SuperLink state and the Ray driver). ``server peak`` is the largest resident set sampled
   after the initial evaluation (round 0: data, model, Ray and the actor pool are up; no client
   was sampled yet), ``above r0`` that peak minus the resident set at round 0, also in model sizes
   (the target is at most K + 3). ``VmHWM`` is the process's own high-water mark over its life.
@@ -144,13 +145,16 @@ class Holdings:
 
     ``app``: the distinct array bytes the strategy holds (its models, the global model, the
     decoded updates of the round in progress, also while ``aggregate`` works on them); ``store``: the ArrayRecord bytes of the
-    messages in Flower's in-memory SuperLink state (sent messages not yet answered, replies
-    not yet pulled). Attached by :func:`watch_holdings` (benchmark instrumentation only).
+    messages in the engine's hands: Flower's in-memory SuperLink state (sent messages not yet
+    answered, replies not yet pulled) or the in-process engine's grid (pushed messages not yet
+    delivered, the copy the ClientApp in training got, replies not yet pulled). Attached by
+    :func:`watch_holdings` (benchmark instrumentation only).
     """
 
     def __init__(self) -> None:
         self.strategy: Any = None
         self.linkstates: list[Any] = []
+        self.grids: list[Any] = []
         #: The updates ``aggregate`` is working on (the strategy hands them over from its own list).
         self.aggregating: list[Any] = []
 
@@ -181,6 +185,18 @@ class Holdings:
 
     def store_bytes(self) -> int:
         total = 0
+        for grid in list(self.grids):
+            try:
+                pending = list(grid._pending.values())
+            except RuntimeError:
+                pending = []
+            messages = [m for p in pending for m in (p.message, p.reply) if m is not None] + list(grid.in_hand)
+            for msg in messages:
+                try:
+                    if msg.has_content():
+                        total += sum(r.count_bytes() for r in msg.content.array_records.values())
+                except Exception:  # noqa: BLE001 - a message being mutated: skip it
+                    continue
         for linkstate in list(self.linkstates):
             for name in ("message_ins_store", "message_res_store"):
                 try:
@@ -196,10 +212,9 @@ class Holdings:
         return total
 
 
-def watch_holdings(holdings: Holdings) -> None:
-    """Let ``holdings`` see the strategy and Flower's link state."""
-    from flwr.server.superlink.linkstate import in_memory_linkstate
-
+def watch_holdings(holdings: Holdings, ray_engine: bool = True) -> None:
+    """Let ``holdings`` see the strategy and the engine's messages (Flower's link state on Ray, the
+    in-process engine's grid)."""
     try:
         from server_app import runner
     except ImportError:  # an older layout of the app (measured for comparison): Flower's store only
@@ -224,6 +239,28 @@ def watch_holdings(holdings: Holdings) -> None:
 
     if runner is not None:
         runner.build_strategy = build_and_watch
+    if not ray_engine:
+        from fedmm import local_engine
+
+        grid_init, handle = local_engine.LocalGrid.__init__, local_engine.LocalGrid._handle
+
+        def grid_init_and_watch(self: Any, *args: Any, **kwargs: Any) -> None:
+            grid_init(self, *args, **kwargs)
+            self.in_hand = []  # the copy the ClientApp in training got
+            holdings.grids.append(self)
+
+        def handle_and_watch(self: Any, metadata: Any, delivered: Any) -> Any:
+            self.in_hand = [delivered]
+            try:
+                return handle(self, metadata, delivered)
+            finally:
+                self.in_hand = []
+
+        local_engine.LocalGrid.__init__ = grid_init_and_watch
+        local_engine.LocalGrid._handle = handle_and_watch
+        return
+    from flwr.server.superlink.linkstate import in_memory_linkstate
+
     init = in_memory_linkstate.InMemoryLinkState.__init__
 
     def init_and_watch(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -315,7 +352,9 @@ class TreeSampler(threading.Thread):
 
 def child_scale(spec: dict[str, Any]) -> dict[str, Any]:
     """Run the simulation in this process while sampling memory."""
-    import flwr.simulation  # noqa: F401 - imported before the clock starts
+    ray_engine = spec["cfg"]["simulation"]["engine"] == "ray"
+    if ray_engine:
+        import flwr.simulation  # noqa: F401 - imported before the clock starts
     import torch  # noqa: F401
 
     import client_app.client_app  # noqa: F401
@@ -335,7 +374,7 @@ def child_scale(spec: dict[str, Any]) -> dict[str, Any]:
     del model
     timers = instrument_server()
     holdings = Holdings()
-    watch_holdings(holdings)
+    watch_holdings(holdings, ray_engine)
     run_dir = Path(cfg["output_dir"])
     sampler = TreeSampler(float(spec["interval"]), run_dir / METRICS_FILE, holdings)
     baseline = rss_bytes()
@@ -421,8 +460,9 @@ def compose_cfg(args: argparse.Namespace, strategy: str, output_dir: Path) -> di
 
     overrides = [f"strategy={strategy}", f"num_clients={args.num_clients}", f"clients_per_round={args.clients_per_round}",
                  f"num_rounds={args.rounds}", f"seed={args.seed}", f"model={args.model}", f"partition={args.partition}",
-                 f"training.local_epochs={args.local_epochs}", f"simulation.client_cpus={args.client_cpus}",
-                 f"output_dir={output_dir}"]
+                 f"training.local_epochs={args.local_epochs}", f"simulation.engine={args.engine}", f"output_dir={output_dir}"]
+    if args.engine == "ray":
+        overrides.append(f"simulation.client_cpus={args.client_cpus}")
     if args.partition == "dirichlet":
         overrides += [f"partition.alpha={args.alpha}", f"partition.min_partition_size={args.min_partition_size}"]
     overrides += args.override
@@ -440,7 +480,9 @@ def main() -> None:
     parser.add_argument("--alpha", type=float, default=0.5, help="dirichlet only")
     parser.add_argument("--min-partition-size", type=int, default=0, help="dirichlet only; at most 4000 / num-clients")
     parser.add_argument("--local-epochs", type=int, default=1)
-    parser.add_argument("--client-cpus", type=float, default=1.0)
+    parser.add_argument("--engine", choices=["local", "ray"], default="local",
+                        help="simulation.engine: the in-process engine, or Flower's on Ray")
+    parser.add_argument("--client-cpus", type=float, default=1.0, help="--engine ray: simulation.client_cpus")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sample-interval", type=float, default=0.25, help="seconds between memory samples")
     parser.add_argument("--synthetic-cifar", type=int, default=0, metavar="N",
@@ -465,7 +507,7 @@ def main() -> None:
         folder = write_synthetic_cifar(workdir / "synthetic-cifar", args.synthetic_cifar)
         args.override = ["dataset=cifar10", f"dataset.path={folder}"] + args.override
     cores = num_cores()
-    parallel = max(1, int(cores // args.client_cpus))
+    parallel = max(1, int(cores // args.client_cpus)) if args.engine == "ray" else 1
     print(f"scale: {cores} cores ({parallel} ClientApps at a time), runs and logs in {workdir}", flush=True)
     print(f"{'strategy':<10}{'N':>6}{'K':>5}{'model':>7}{'done':>6}{'s/round':>9}{'startup s':>11}{'1st round s':>12}"
           f"{'roster s':>10}{'server r0':>11}{'peak':>8}{'above r0':>10}{'copies':>8}{'/K+3':>6}{'run RSS':>9}{'run PSS':>9}"
@@ -476,7 +518,7 @@ def main() -> None:
         res = run_child_scale(cfg, parallel, args, workdir / strategy)
         row = dict(res, strategy=strategy, num_clients=args.num_clients, clients_per_round=args.clients_per_round,
                    model=args.model, partition=args.partition, rounds=args.rounds, local_epochs=args.local_epochs,
-                   client_cpus=args.client_cpus, parallel=parallel)
+                   engine=args.engine, client_cpus=args.client_cpus if args.engine == "ray" else None, parallel=parallel)
         rows.append(row)
         pr = f"{row['per_round_s']:.2f}" if row["per_round_s"] is not None else "n/a"
         pss = f"{row['tree_peak_pss_sum_mib']:.0f}" if row["tree_peak_pss_sum_mib"] is not None else "n/a"
@@ -490,8 +532,8 @@ def main() -> None:
             print(f"{'':<10}per round: configure {b['configure_train']:.2f}s, send_and_receive {b['train_send_and_receive']:.2f}s "
                   f"(clients' own training {b['client_train_sum']:.2f}s summed, /{parallel} parallel), aggregate "
                   f"{b['aggregate_train']:.2f}s, evaluate {b['central_evaluate']:.2f}s", flush=True)
-        print(f"{'':<10}model copies at the server's peak: strategy {row['at_server_peak_app_models']:.1f}, Flower's message "
-              f"store {row['at_server_peak_store_models']:.1f}, the rest {row['at_server_peak_rest_models']:.1f} (each one's own "
+        print(f"{'':<10}model copies at the server's peak: strategy {row['at_server_peak_app_models']:.1f}, the engine's "
+              f"messages {row['at_server_peak_store_models']:.1f}, the rest {row['at_server_peak_rest_models']:.1f} (each one's own "
               f"peak: strategy {row['app_peak_models']:.1f}, store {row['store_peak_models']:.1f}); above round 0 at that "
               f"peak: heap {row['at_server_peak_anon_above_r0_models']:.1f}, shared memory (Ray's object store) "
               f"{row['at_server_peak_shmem_above_r0_models']:.1f}", flush=True)

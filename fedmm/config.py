@@ -137,7 +137,7 @@ class SimulationSettings(Settings):
     option = "default"
     keyed = False
     added = {"ray_address": None, "ray_init_args": {}, "engine": "ray"}
-    engine: str = setting("ray", Choice(*ENGINES),
+    engine: str = setting("local", Choice(*ENGINES),
                           "local: the ServerApp and one ClientApp at a time in fedmm's process, no Ray "
                           "(fedmm/local_engine.py) | ray: Flower's simulation engine, ClientApps in Ray workers "
                           "(several at once, GPU shares, Ray clusters)")

@@ -17,11 +17,12 @@ simulation gives them:
 - **messages** (:class:`LocalGrid`, a ``flwr.serverapp.Grid``): ``push_messages`` gives every
   message a fresh message id and checks it as Flower's in-memory grid and link state do (an
   invalid message raises ``ValueError``; one addressed to an unknown node is logged and gets no
-  id); a worker thread delivers them in push order, stamping ``delivered_at``; ``pull_messages``
-  returns each reply once, as a reply to its message (``reply_to_message_id``), and, for a message
-  whose TTL ran out before its reply was pulled, or an id the grid does not know, Flower's
-  "message unavailable" error reply; a reply whose own TTL ran out is Flower's "reply message
-  unavailable" error. ``send_and_receive`` waits for the replies until its timeout;
+  id); they are delivered in push order, ``delivered_at`` stamped, a message whose TTL ran out
+  before its turn never; ``pull_messages`` returns each reply once, as a reply to its message
+  (``reply_to_message_id``), and, for a message whose TTL ran out before its reply was pulled, or
+  an id the grid does not know, Flower's "message unavailable" error reply; a reply whose own TTL
+  ran out is Flower's "reply message unavailable" error. ``send_and_receive`` collects the
+  replies until its timeout;
 - **the ClientApp** is called through Flower's public call path, ``ClientApp.__call__(message,
   context)``, so its mods run as in any Flower runtime. An exception in it becomes the error
   reply Flower's engine makes of it (``ErrorCode.CLIENT_APP_RAISED_EXCEPTION``, the reason naming
@@ -38,9 +39,12 @@ server gets the reply's records anew around the bytes the ClientApp produced (no
 the server does writes into them). A pushed message's records are released once it is
 delivered. Flower's Ray engine serializes every message and context both ways instead.
 
-The ServerApp runs in the calling thread (signal handlers, Ctrl-C and the server's own timeouts
-work as in any Flower runtime); the ClientApp runs in one worker thread, so the server decodes a
-reply while the next client trains. Nothing here imports Ray.
+**One thread.** The ServerApp runs in the calling thread, and each ClientApp call runs in it too,
+when the server pulls (:class:`LocalGrid`): torch then works as in a plain training loop (a
+second thread calling into torch gets a second OpenMP team and trained 1.3-1.5x slower here), a
+stop signal reaches the ClientApp in training (the first sets fedmm's stop flag, which the
+server's pull loop reads once that client is done; a second interrupts it), and the server's
+timeouts hold between ClientApp calls, not inside one. Nothing here imports Ray.
 """
 
 from __future__ import annotations
@@ -76,10 +80,6 @@ MESSAGE_UNAVAILABLE_REASON = (
 REPLY_MESSAGE_UNAVAILABLE_REASON = "Error: Reply Message Unavailable - The reply message has expired."
 #: Flower's message type of the link state's own error replies.
 SYSTEM_MESSAGE_TYPE = "system"
-#: The name of the thread that runs the ClientApp.
-WORKER_NAME = "fedmm-local-clients"
-#: The grids whose worker is running a ClientApp right now (see :func:`clients_running`).
-_BUSY: set[int] = set()
 
 
 # =============================================================================== records
@@ -248,7 +248,7 @@ class RandomStates:
 # =============================================================================== the grid
 @dataclass
 class _Pending:
-    """A pushed message: its metadata, and its records until it is delivered."""
+    """A pushed message: its metadata, its records until it is delivered, then its reply."""
 
     metadata: Any
     message: Message | None
@@ -272,8 +272,11 @@ class LocalGrid(Grid):
         The nodes' ids in partition order (default: random, as Flower draws them); e.g. those of
         another simulation, to run it again with the same ids.
 
-    Use it as a context manager (or call :meth:`close`): its worker thread runs from the first
-    push until then.
+    The ClientApp runs in the thread that pulls: ``pull_messages`` delivers the pushed messages
+    in push order, one ClientApp call each, until one of the messages it is asked about has its
+    reply (the strategies' pull loops then decode each reply as it comes, as on Flower's engine).
+    A message the server no longer waits for (a timed-out phase's) is still delivered in its turn,
+    as Flower's engine works through its queue whoever waits.
     """
 
     def __init__(self, client_app: ClientApp, num_supernodes: int, run: Run | None = None,
@@ -305,9 +308,7 @@ class LocalGrid(Grid):
         }
         self._pending: dict[str, _Pending] = {}
         self._queue: deque[str] = deque()
-        self._lock = threading.Condition()
-        self._closed = False
-        self._worker: threading.Thread | None = None
+        self._lock = threading.RLock()
         #: The clients' side of the global random generators (see :class:`RandomStates`).
         self._client_random: RandomStates | None = None
         self.messages_handled = 0
@@ -358,18 +359,19 @@ class LocalGrid(Grid):
             with self._lock:
                 self._pending[m.message_id] = _Pending(m, message)
                 self._queue.append(m.message_id)
-                self._start_worker()
-                self._lock.notify_all()
             ids.append(m.message_id)
         return ids
 
     def pull_messages(self, message_ids: Iterable[str]) -> list[Message]:
-        """The replies that are in, each once; Flower's error replies for messages that expired
-        or that the grid does not know (see the module docstring)."""
-        current = time.time()
-        replies: list[Message] = []
+        """Deliver queued messages until one of ``message_ids`` has its reply (see the class
+        docstring); then the replies that are in, each once, and Flower's error replies for
+        messages that expired or that the grid does not know (see the module docstring)."""
+        wanted = set(message_ids)
         with self._lock:
-            for message_id in set(message_ids):
+            self._deliver_until_a_reply(wanted)
+            current = time.time()
+            replies: list[Message] = []
+            for message_id in wanted:
                 pending = self._pending.get(message_id)
                 if pending is None or _expired(pending.metadata, current):
                     self._pending.pop(message_id, None)
@@ -384,63 +386,48 @@ class LocalGrid(Grid):
         return replies
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
-        """Push ``messages``, then wait for their replies until all are in or ``timeout`` seconds
-        pass (None: no limit)."""
+        """Push ``messages``, then deliver them and collect the replies until all are in or
+        ``timeout`` seconds pass (None: no limit)."""
         waiting = set(self.push_messages(messages))
         deadline = None if timeout is None else time.monotonic() + timeout
         replies: list[Message] = []
-        while waiting:
+        while waiting and (deadline is None or time.monotonic() < deadline):
             got = self.pull_messages(waiting)
             replies.extend(got)
             waiting.difference_update(r.metadata.reply_to_message_id for r in got)
-            if not waiting:
-                break
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                break
-            with self._lock:
-                if not any(self._pending.get(i) is not None and self._pending[i].reply is not None for i in waiting):
-                    self._lock.wait(timeout=min(left, 1.0) if left is not None else 1.0)
+            if not got:
+                break  # nothing left to deliver for them
         return replies
 
-    # ------------------------------------------------------------------ the worker
-    def _start_worker(self) -> None:
-        if self._worker is None and not self._closed:
-            self._worker = threading.Thread(target=self._work, name=WORKER_NAME, daemon=True)
-            self._worker.start()
+    # ------------------------------------------------------------------ delivery
+    def _deliver_until_a_reply(self, wanted: set[str]) -> None:
+        def waiting() -> bool:
+            entries = [self._pending.get(i) for i in wanted]
+            return not any(e is not None and e.reply is not None for e in entries) and any(
+                e is not None and e.message is not None for e in entries)
 
-    def _work(self) -> None:
-        while True:
-            with self._lock:
-                while not self._queue and not self._closed:
-                    self._lock.wait()
-                if self._closed:
-                    return
-                message_id = self._queue.popleft()
-                pending = self._pending.get(message_id)
-                if pending is None or pending.message is None:
-                    continue  # pulled (as unavailable) before it was delivered
-                ins, pending.message = pending.message, None  # the grid releases the server's records
-                if _expired(ins.metadata, time.time()):
-                    continue  # never delivered: a pull answers "message unavailable"
-                ins.metadata.delivered_at = now().isoformat()
-            metadata = ins.metadata
-            _BUSY.add(id(self))
-            try:
-                delivered = _with_metadata(metadata, detached(ins.content, copy_bytes=True)) if ins.has_content() \
-                    else _with_metadata(metadata, error=ins.error)
-                del ins  # from here on the client holds its own copy only
-                reply = self._handle(metadata, delivered)
-            except Exception as err:  # noqa: BLE001 - the engine's own failure: the node's error reply, never a dead worker
-                reply = _error_reply(metadata, ErrorCode.UNKNOWN, raised_reason(err))
-            finally:
-                _BUSY.discard(id(self))
-            with self._lock:
-                self.messages_handled += 1
-                pending = self._pending.get(message_id)
-                if pending is not None:
-                    pending.reply = reply
-                    self._lock.notify_all()
+        while self._queue and waiting():
+            self._deliver(self._queue.popleft())
+
+    def _deliver(self, message_id: str) -> None:
+        """Run the ClientApp on message ``message_id`` and keep its reply."""
+        pending = self._pending.get(message_id)
+        if pending is None or pending.message is None:
+            return  # pulled (as unavailable) before its turn
+        ins, pending.message = pending.message, None  # the grid releases the server's records
+        if _expired(ins.metadata, time.time()):
+            return  # never delivered: a pull answers "message unavailable"
+        ins.metadata.delivered_at = now().isoformat()
+        metadata = ins.metadata
+        try:
+            delivered = _with_metadata(metadata, detached(ins.content, copy_bytes=True)) if ins.has_content() \
+                else _with_metadata(metadata, error=ins.error)
+            del ins  # from here on the client holds its own copy only
+            reply = self._handle(metadata, delivered)
+        except Exception as err:  # noqa: BLE001 - the engine's own failure: the node's error reply
+            reply = _error_reply(metadata, ErrorCode.UNKNOWN, raised_reason(err))
+        self.messages_handled += 1
+        pending.reply = reply
 
     def _handle(self, metadata: Any, delivered: Message) -> Message:
         """Run the ClientApp on ``delivered`` (the node's own copy of the message with
@@ -458,9 +445,9 @@ class LocalGrid(Grid):
         except Exception as err:  # noqa: BLE001 - a ClientApp's failure is its node's error reply
             log(ERROR, "ClientApp of node %s raised %s: %s", node_id, type(err).__name__, err)
             return _error_reply(metadata, ErrorCode.CLIENT_APP_RAISED_EXCEPTION, raised_reason(err))
-        except BaseException as err:  # SystemExit and the like end a Ray actor: the node's error too
-            if isinstance(err, KeyboardInterrupt):
-                raise
+        except (KeyboardInterrupt, SystemExit):
+            raise  # a stop signal (raised in this thread, where the ClientApp runs), or an exit: not the node's
+        except BaseException as err:  # e.g. GeneratorExit: a Ray actor would die of it: the node's error
             return _error_reply(metadata, ErrorCode.CLIENT_APP_CRASHED, raised_reason(err))
         finally:
             self._client_random = RandomStates.capture()
@@ -485,30 +472,16 @@ class LocalGrid(Grid):
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
-        """Drop every pending message and wait for the worker to finish the message it is
-        handling (a ClientApp cannot be stopped half-way; a process that exits while one runs
-        in its worker thread aborts). A signal that raises in the waiting thread ends the wait."""
+        """Drop every message not yet pulled (undelivered ones are never delivered)."""
         with self._lock:
-            self._closed = True
             self._queue.clear()
             self._pending.clear()
-            self._lock.notify_all()
-        worker = self._worker
-        if worker is not None and worker is not threading.current_thread():
-            worker.join()
 
     def __enter__(self) -> LocalGrid:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def clients_running() -> bool:
-    """Whether a ClientApp of an in-process simulation is running in this process (e.g. after a
-    second stop signal cut short the wait for it). Counted by the workers themselves: a
-    ``Thread.join`` interrupted by a signal may mark a running thread as stopped (Python < 3.13)."""
-    return bool(_BUSY)
 
 
 # =============================================================================== the runtime

@@ -19,7 +19,6 @@ from __future__ import annotations
 import copy
 import logging
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -327,11 +326,6 @@ def main() -> None:
         _hydra_main()
     except KeyboardInterrupt:
         print("fedmm: interrupted; the run directory holds a checkpoint: continue with fedmm resume=<run dir>", flush=True)
-        from fedmm.local_engine import clients_running
-
-        if clients_running():  # stopped at once (a second signal) while a ClientApp trains in this process
-            sys.stderr.flush()
-            os._exit(130)  # an interpreter that shuts down under a running torch thread aborts instead
         raise SystemExit(130) from None
     if FAILED_JOBS:
         print(f"fedmm: {len(FAILED_JOBS)} job(s) failed:", flush=True)

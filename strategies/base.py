@@ -67,7 +67,9 @@ def exchange(
 
     The list is emptied once pushed, so that only the grid holds the messages until their
     replies are in. With ``on_reply`` each reply is handed to it as soon as it is pulled and not
-    kept (an empty list is returned); without, the replies are returned.
+    kept (an empty list is returned); without, the replies are returned. A pull that brought
+    replies is followed by the next at once (more may be in); one that brought none by a wait of
+    ``poll_interval``.
     """
     raise_if_stopped()
     pending = set(grid.push_messages(messages))
@@ -76,6 +78,7 @@ def exchange(
     replies: list[Message] = []
     while pending:
         pulled = list(grid.pull_messages(pending))
+        got = bool(pulled)
         while pulled:
             reply = pulled.pop(0)  # the pulled list does not keep a handled reply alive
             pending.discard(reply.metadata.reply_to_message_id)
@@ -86,7 +89,9 @@ def exchange(
             del reply  # nor does this frame while the next one is pulled
         if not pending or time.monotonic() >= deadline:
             break
-        if STOP.wait(poll_interval):
+        if got:
+            raise_if_stopped()
+        elif STOP.wait(poll_interval):
             raise_if_stopped()
     return replies
 

@@ -480,9 +480,10 @@ def test_time_to_accuracy_reads_virtual_time_and_compares_at_a_common_horizon(tm
 # ============================================================================ one real simulation
 def test_fedmm_runs_fedbuff_and_the_async_multimodel_methods_in_a_simulation(tmp_path: Path) -> None:
     """``fedmm strategy=fedbuff|fedmr_async|fedcross_async`` and a synchronous FedAvg with a 10×
-    tier and a deadline, on the embedded data, one Ray start: every run completes and writes a
-    rising ``virtual_time``."""
-    from flwr.simulation import run_simulation
+    tier and a deadline, on the embedded data, one in-process simulation (tests/test_engines.py
+    runs FedBuff and async FedMR on Ray too): every run completes and writes a rising
+    ``virtual_time``."""
+    from fedmm.local_engine import run_local_simulation
 
     from client_app.client_app import app as client_app
     from fedmm.config import compose, to_container
@@ -500,8 +501,7 @@ def test_fedmm_runs_fedbuff_and_the_async_multimodel_methods_in_a_simulation(tmp
                                   "training.local_epochs=1", "dataset.test_fraction=0.8", "partition.alpha=0.5",
                                   f"output_dir={tmp_path / name}"])) for name, extra in runs.items()]
     out: dict = {}
-    run_simulation(server_app=recording_server_app(cfgs, [], out), client_app=client_app, num_supernodes=4,
-                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"logging_level": "ERROR"}})
+    run_local_simulation(server_app=recording_server_app(cfgs, [], out), client_app=client_app, num_supernodes=4)
     for name in runs:
         rows = read_metrics(tmp_path / name)
         assert [r["round"] for r in rows] == [0, 1, 2], name

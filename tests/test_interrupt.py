@@ -5,9 +5,10 @@ tests/test_same_results.py).
 
 The signal sent is SIGTERM (what a batch scheduler or `kill` sends): Ray's start-up replaces the
 process's SIGTERM handler, so it is the case that needs the app to keep its own. Ctrl-C (SIGINT)
-goes to the same handler (``fedmm.interrupt``). On the in-process engine the ClientApp trains in a
-thread of fedmm's own process: the first signal waits for the client in training to finish (the
-process would abort under it), a second one stops at once."""
+goes to the same handler (``fedmm.interrupt``). On the in-process engine the ClientApp trains in
+fedmm's own thread: the first signal lets the client in training finish, a second one stops it
+at once; either way the run's files are written.
+"""
 
 from __future__ import annotations
 
@@ -80,10 +81,10 @@ main()
 """
 
 
-def test_a_second_signal_stops_the_in_process_engine_at_once_and_cleanly(tmp_path: Path, ray_env: dict) -> None:
-    """The first signal waits for the client in training; a second one, sent during that wait,
-    stops at once, with exit status 130, not the abort of an interpreter shut down under a
-    running torch thread."""
+def test_a_second_signal_stops_the_client_in_training_at_once(tmp_path: Path, ray_env: dict) -> None:
+    """The first signal waits for the client in training (a minute of torch work here); a second
+    one stops it at once, and the run still writes its checkpoint and its summary (interrupted
+    after round 1), with exit status 130."""
     run = tmp_path / "run"
     cmd = [sys.executable, "-c", SLOW_FEDMM, "num_rounds=5", "num_clients=2", "clients_per_round=1",
            "training.local_epochs=1", "checkpoint_every=100", f"hydra.run.dir={run}"]
@@ -94,14 +95,13 @@ def test_a_second_signal_stops_the_in_process_engine_at_once_and_cleanly(tmp_pat
         time.sleep(0.3)
     time.sleep(1)  # round 2's client is training
     proc.send_signal(signal.SIGTERM)
-    while not (run / "summary.json").exists():  # the run's files are written, then the wait for the client
-        assert proc.poll() is None and time.time() < deadline
-        time.sleep(0.2)
-    time.sleep(1)
-    assert proc.poll() is None  # still waiting for the client
+    time.sleep(2)
+    assert proc.poll() is None  # the first signal waits for the client
     proc.send_signal(signal.SIGTERM)
     start = time.time()
     output, _ = proc.communicate(timeout=60)
     assert proc.returncode == 130, output[-3000:]
-    assert time.time() - start < 10
-    assert json.loads((run / "summary.json").read_text())["status"] == "interrupted"
+    assert time.time() - start < 15
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["rounds_completed"] == 1
+    assert load_checkpoint(run)["round"] == 1

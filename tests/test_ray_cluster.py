@@ -157,7 +157,7 @@ def test_two_jobs_attach_to_a_running_cluster_and_leave_it_running(ray_env, ray_
     for seed in (0, 1):  # two jobs of one process, as `fedmm -m seed=0,1 simulation.ray_address=...`
         cfg = to_container(compose([
             "num_rounds=1", "num_clients=2", "clients_per_round=2", "model=lenet", "training.local_epochs=1",
-            f"seed={seed}", f"simulation.ray_address={address}", f"output_dir={tmp_path / f'run{seed}'}",
+            f"seed={seed}", "simulation.engine=ray", f"simulation.ray_address={address}", f"output_dir={tmp_path / f'run{seed}'}",
         ]))
         runs.append(run_job(cfg))
         assert not ray.is_initialized()  # the job disconnected its driver ...
@@ -193,7 +193,7 @@ def test_an_address_where_no_head_answers_fails_the_job_at_once(tmp_path: Path) 
 
     (port,) = free_ports(1)
     cfg = to_container(compose([
-        "num_rounds=1", "num_clients=2", "clients_per_round=2", f"simulation.ray_address=127.0.0.1:{port}",
+        "num_rounds=1", "num_clients=2", "clients_per_round=2", "simulation.engine=ray", f"simulation.ray_address=127.0.0.1:{port}",
         f"output_dir={tmp_path / 'run'}",
     ]))
     start = time.time()
@@ -219,12 +219,23 @@ def test_an_address_where_no_head_answers_fails_the_job_at_once(tmp_path: Path) 
 def test_bad_cluster_settings_name_the_key(overrides, key, allowed) -> None:
     with pytest.raises(ConfigError) as info:
         if isinstance(overrides, dict):  # values hydra's override grammar cannot write
-            cfg = to_container(compose([]))
+            cfg = to_container(compose(["simulation.engine=ray"]))
             cfg["simulation"].update(overrides)
             validate(cfg)
         else:
-            compose(overrides)
+            compose(["simulation.engine=ray", *overrides])
     assert info.value.key == key and allowed in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("override", ["simulation.ray_address=127.0.0.1:6379", "simulation.client_gpus=0.25",
+                                      "simulation.client_cpus=2", "+simulation.ray_init_args.namespace=x"])
+def test_the_in_process_engine_refuses_the_ray_settings(override: str) -> None:
+    """No Ray setting is taken and then ignored: on the in-process engine (the default) each one
+    is an error that says how to run on Ray."""
+    with pytest.raises(ConfigError) as info:
+        compose([override])
+    key = override.lstrip("+").split("=")[0]
+    assert info.value.key == key.removesuffix(".namespace") and "set simulation.engine=ray" in str(info.value)
 
 
 def test_a_run_made_before_these_keys_resumes_on_a_cluster(tmp_path: Path) -> None:
@@ -233,9 +244,10 @@ def test_a_run_made_before_these_keys_resumes_on_a_cluster(tmp_path: Path) -> No
     from fedmm.config import resume_config
 
     cfg = to_container(compose([f"output_dir={tmp_path}"]))
-    del cfg["simulation"]["ray_address"], cfg["simulation"]["ray_init_args"]
+    del cfg["simulation"]["ray_address"], cfg["simulation"]["ray_init_args"], cfg["simulation"]["engine"]
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
     assert resume_config(tmp_path)["simulation"]["ray_address"] is None
+    assert resume_config(tmp_path)["simulation"]["engine"] == "ray"  # a run made before the engines ran on Ray
     resumed = resume_config(tmp_path, ["simulation.ray_address=127.0.0.1:6379", "+simulation.ray_init_args.namespace=x"])
     assert resumed["simulation"]["ray_address"] == "127.0.0.1:6379"
     assert resumed["simulation"]["ray_init_args"] == {"namespace": "x"}
@@ -247,7 +259,7 @@ def test_backend_config_passes_the_address_and_init_args() -> None:
     local = backend_config(to_container(compose([])))
     assert "address" not in local["init_args"] and local["init_args"]["logging_level"] == "ERROR"
     attached = backend_config(to_container(compose([
-        "simulation.ray_address=10.0.0.1:6379", "simulation.client_cpus=2", "simulation.client_gpus=0.5",
+        "simulation.engine=ray", "simulation.ray_address=10.0.0.1:6379", "simulation.client_cpus=2", "simulation.client_gpus=0.5",
         "+simulation.ray_init_args.namespace=fedmm", "+simulation.ray_init_args.runtime_env={working_dir: /srv/fedmm}",
     ])))
     assert attached["client_resources"] == {"num_cpus": 2, "num_gpus": 0.5}

@@ -11,8 +11,10 @@ torch build on another CPU (its oneDNN / MKL kernels sum in another order) drift
 on (docs/architecture.md, "Same results").
 
 FedMR and FedCross are checked through the resume path (one real ``fedmm`` run killed after its
-round-2 checkpoint, then ``fedmm resume=<dir>``); the other presets (FedAvg among them) run
-straight, one after the other on one simulation.
+round-2 checkpoint, then ``fedmm resume=<dir>``; FedMR on the in-process engine, FedCross on Ray,
+whose processes the kill takes down too); the other presets (FedAvg among them) run straight, one
+after the other on one in-process simulation. (tests/test_engines.py: both engines give the same
+numbers, exactly.)
 """
 
 from __future__ import annotations
@@ -66,22 +68,20 @@ def test_the_tolerances_tell_methods_apart(one: str, other: str) -> None:
 
 
 def test_presets_give_the_recorded_results(tmp_path: Path) -> None:
-    """The five presets run one after the other on one simulation (one Ray start), each from its
-    own validated default config, as ``fedmm strategy=<preset> num_rounds=3 seed=0`` would; their
+    """The five presets run one after the other on one in-process simulation, each from its own
+    validated default config, as ``fedmm strategy=<preset> num_rounds=3 seed=0`` would; their
     rounds 0-3 equal those of the recorded 5-round runs (nothing before the last round depends on
     ``num_rounds``; every preset differs from its neighbour within 2 rounds)."""
-    from flwr.simulation import run_simulation
-
     from client_app.client_app import app as client_app
     from fedmm.config import compose, to_container
-    from launch.cli import backend_config
+    from fedmm.local_engine import run_local_simulation
     from tests.sim_apps import recording_server_app
 
     presets = ["fedavg", "fedmr_two_stage", "fedcross_accel", "fedprox", "fedrl"]
     cfgs = [to_container(compose([f"strategy={p}", "num_rounds=3", "seed=0", f"output_dir={tmp_path / p}"])) for p in presets]
     out: dict = {}
-    run_simulation(server_app=recording_server_app(cfgs, [], out), client_app=client_app,
-                   num_supernodes=cfgs[0]["simulation"]["num_supernodes"], backend_config=backend_config(cfgs[0]))
+    run_local_simulation(server_app=recording_server_app(cfgs, [], out), client_app=client_app,
+                         num_supernodes=cfgs[0]["simulation"]["num_supernodes"])
     assert [d.name for d in out["dirs"]] == presets
     for preset in presets:
         assert_same_results(read_metrics(tmp_path / preset), fixture(preset)[:4])
@@ -103,12 +103,13 @@ def wait_for_checkpoint(run: Path, round_: int, proc: subprocess.Popen, timeout:
     raise AssertionError(f"no checkpoint of round {round_} after {timeout}s")
 
 
-@pytest.mark.parametrize("preset", ["fedmr", "fedcross"])
-def test_killed_and_resumed_run_gives_the_recorded_results(tmp_path: Path, ray_env: dict, preset: str) -> None:
+@pytest.mark.parametrize(("preset", "engine"), [("fedmr", "local"), ("fedcross", "ray")])
+def test_killed_and_resumed_run_gives_the_recorded_results(tmp_path: Path, ray_env: dict, preset: str, engine: str) -> None:
     run = tmp_path / "run"
     # 4 rounds: killed after round 2's checkpoint, rounds 3 and 4 resumed; rounds 0-4 of the
     # recorded 5-round run are the expected results
-    cmd = [str(BIN / "fedmm"), f"strategy={preset}", "num_rounds=4", "seed=0", "checkpoint_every=1", f"hydra.run.dir={run}"]
+    cmd = [str(BIN / "fedmm"), f"strategy={preset}", "num_rounds=4", "seed=0", "checkpoint_every=1",
+           f"simulation.engine={engine}", f"hydra.run.dir={run}"]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=ray_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         wait_for_checkpoint(run, 2, proc)

@@ -1,7 +1,9 @@
-"""Real Flower simulations (Ray backend): `flwr run`, FedMR / FedCross with a failing client, an
-objective preset with federated evaluation (`fedmm -m` sweeps run in tests/test_same_results.py).
+"""Real simulations: `flwr run` on Flower's simulation engine (Ray), and on the in-process engine
+(`fedmm`'s default) FedMR / FedCross and every other method with a failing client, an objective
+preset with federated evaluation, a sweep with a failed job; a Ray runtime that cannot start.
 
-These are the slow tests of the suite (tens of seconds each): tiny federations, few rounds.
+These are the slow tests of the suite (seconds to tens of seconds each): tiny federations, few
+rounds. tests/test_engines.py shows that both engines give the same numbers.
 """
 
 from __future__ import annotations
@@ -102,8 +104,7 @@ def test_multimodel_simulation_dispatch_stages_and_failing_client(tmp_path: Path
     """FedMR, FedCross, FedMut (3 rounds), FedExP, SOLO, SCAFFOLD, MOON, FedGen (2 rounds), then
     CluSamp and FedMR with secure recombination, in one simulation: K = N = 3 so every node trains every round (CluSamp: K = 2 draws);
     partition 0 always fails (a third of the clients: no model may be lost)."""
-    from flwr.simulation import run_simulation
-
+    from fedmm.local_engine import run_local_simulation
     from tests.sim_apps import failing_client_app, recording_server_app
 
     strategies = ["fedmr", "fedcross", "fedmut", "fedexp", "solo", "scaffold", "moon", "fedgen"]
@@ -134,12 +135,7 @@ def test_multimodel_simulation_dispatch_stages_and_failing_client(tmp_path: Path
     ])))
     log: list = []
     out: dict = {}
-    run_simulation(
-        server_app=recording_server_app(cfgs, log, out),
-        client_app=failing_client_app,
-        num_supernodes=3,
-        backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"logging_level": "ERROR"}},
-    )
+    run_local_simulation(server_app=recording_server_app(cfgs, log, out), client_app=failing_client_app, num_supernodes=3)
     assert len(out["dirs"]) == 10
     secure = out["dirs"].pop()
     rows = read_metrics(secure)
@@ -236,8 +232,7 @@ def test_objective_presets_run_in_a_real_simulation(tmp_path: Path, preset: str)
 def test_a_run_whose_clients_all_fail_stops_as_failed_and_the_job_fails(tmp_path: Path) -> None:
     """One SuperNode that always fails: after max_failed_rounds=2 rounds with no accepted reply
     the run stops; summary.json says failed (with the client's own error), the job raises."""
-    from flwr.simulation import run_simulation
-
+    from fedmm.local_engine import run_local_simulation
     from strategies.base import RunFailed
     from tests.sim_apps import failing_client_app, recording_server_app
 
@@ -246,12 +241,7 @@ def test_a_run_whose_clients_all_fail_stops_as_failed_and_the_job_fails(tmp_path
     ]))
     out: dict = {}
     with pytest.raises(RunFailed):
-        run_simulation(
-            server_app=recording_server_app(cfg, [], out),
-            client_app=failing_client_app,
-            num_supernodes=1,
-            backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"logging_level": "ERROR"}},
-        )
+        run_local_simulation(server_app=recording_server_app(cfg, [], out), client_app=failing_client_app, num_supernodes=1)
     assert "dir" not in out  # run_experiment raised
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["rounds_completed"] == 1
@@ -291,7 +281,8 @@ def test_a_simulation_runtime_that_cannot_start_fails_the_job_at_once(tmp_path: 
     """Ray can place no ClientApp (64 CPUs each on this machine): the runtime stops; the job
     fails at once with status failed and the runtime's reason, instead of waiting for replies."""
     run = tmp_path / "run"
-    cmd = [str(BIN / "fedmm"), "num_rounds=3", "num_clients=2", "clients_per_round=1", "simulation.client_cpus=64",
+    cmd = [str(BIN / "fedmm"), "num_rounds=3", "num_clients=2", "clients_per_round=1", "simulation.engine=ray",
+           "simulation.client_cpus=64",
            "training.local_epochs=1", f"hydra.run.dir={run}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path, env=ray_env)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]

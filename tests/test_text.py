@@ -162,7 +162,7 @@ def test_every_strategy_runs_on_both_text_tasks(tmp_path: Path) -> None:
     simulation: 2 rounds for the methods whose round 2 differs in kind (client state kept by
     SCAFFOLD and MOON, FedGen's generator sent down), 1 round (train, aggregate, evaluate) for
     the others."""
-    from flwr.simulation import run_simulation
+    from fedmm.local_engine import run_local_simulation
 
     from client_app.client_app import app as client_app
     from fedmm.config import options
@@ -182,12 +182,7 @@ def test_every_strategy_runs_on_both_text_tasks(tmp_path: Path) -> None:
                                  "strategy.fraction_evaluate=0", f"output_dir={tmp_path / task / preset}", *extra))
     log: list = []
     out: dict = {}
-    run_simulation(
-        server_app=recording_server_app(cfgs, log, out),
-        client_app=client_app,
-        num_supernodes=3,
-        backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"logging_level": "ERROR"}},
-    )
+    run_local_simulation(server_app=recording_server_app(cfgs, log, out), client_app=client_app, num_supernodes=3)
     from fedmm.results import read_metrics
 
     assert len(out["dirs"]) == len(cfgs)

@@ -1,0 +1,75 @@
+"""On a CUDA device (marker ``cuda``; skipped where there is none, run by bench/gpu_session.py on a
+lent GPU): the in-process engine trains and evaluates on the GPU, its numbers agree with the CPU's
+within the arithmetic's difference, GPU memory does not grow from round to round (clients and
+server share the process), and a real out-of-memory error becomes the ClientApp's advice."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from fedmm.results import read_metrics
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (bench/gpu_session.py)")]
+
+
+def run(tmp_path: Path, name: str, device: str, rounds: int = 2) -> list[dict]:
+    from fedmm.config import compose, to_container
+    from launch.cli import run_job
+
+    cfg = to_container(compose([f"num_rounds={rounds}", "num_clients=4", "clients_per_round=2", "training.local_epochs=1",
+                                f"training.device={device}", "simulation.engine=local", f"output_dir={tmp_path / name}"]))
+    return read_metrics(run_job(cfg))
+
+
+def test_the_in_process_engine_trains_on_the_gpu_and_agrees_with_the_cpu(tmp_path: Path) -> None:
+    torch.cuda.reset_peak_memory_stats()
+    gpu = run(tmp_path, "gpu", "cuda")
+    assert torch.cuda.max_memory_allocated() > 0  # the clients and the evaluation ran on the device
+    cpu = run(tmp_path, "cpu", "cpu")
+    assert [r["replies"] for r in gpu[1:]] == [r["replies"] for r in cpu[1:]] == [2, 2]
+    assert [r["bytes_sent"] for r in gpu] == [r["bytes_sent"] for r in cpu]
+    for a, b in zip(gpu, cpu):  # cuDNN's kernels sum in another order: close, not equal
+        assert abs(a["accuracy"] - b["accuracy"]) <= 0.03 and a["loss"] == pytest.approx(b["loss"], rel=0.02), (a, b)
+
+
+def test_gpu_memory_does_not_grow_from_round_to_round(tmp_path: Path) -> None:
+    from fedmm.config import compose, to_container
+    from launch.cli import run_job
+    from strategies.base import RoundLoopStrategy
+
+    allocated: list[int] = []
+    start = RoundLoopStrategy.run_round
+
+    def measured(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+        out = start(self, *args, **kwargs)
+        torch.cuda.synchronize()
+        allocated.append(torch.cuda.memory_allocated())
+        return out
+
+    RoundLoopStrategy.run_round = measured
+    try:
+        run_job(to_container(compose(["num_rounds=5", "num_clients=4", "clients_per_round=2", "training.local_epochs=1",
+                                      "training.device=cuda", f"output_dir={tmp_path / 'run'}"])))
+    finally:
+        RoundLoopStrategy.run_round = start
+    assert len(allocated) == 5
+    assert max(allocated[1:]) <= allocated[1] + 8 * 2**20, allocated  # flat after the first round
+
+
+def test_a_real_out_of_memory_error_becomes_advice_and_frees_the_device() -> None:
+    from client_app import work
+    from fedmm.config import compose
+
+    run_settings = compose(["training.batch_size=64"])
+    before = torch.cuda.memory_allocated()
+    total = torch.cuda.get_device_properties(0).total_memory
+    with pytest.raises(work.ClientOutOfMemory) as caught:
+        with work.cuda_memory_advice(run_settings, "local training"):
+            torch.empty(2 * total, dtype=torch.uint8, device="cuda")
+    assert "one ClientApp at a time" in str(caught.value) and "training.batch_size=64" in str(caught.value)
+    assert "MiB free of" in str(caught.value)
+    assert torch.cuda.memory_allocated() == before
