@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from logging import ERROR, INFO
+from typing import Any
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
@@ -53,12 +55,27 @@ def where_the_app_runs() -> str:
 def main(grid: Grid, context: Context) -> None:
     """Entry point of ``flwr run``: ``-c`` keys become hydra overrides of ``conf/``."""
     log(INFO, "fedmm ServerApp: %s", where_the_app_runs())
+    simulation = is_simulation(grid)
     try:
-        cfg = compose_from_run_config(context.run_config)
+        run_config = on_flowers_engine(context.run_config) if simulation else context.run_config
+        cfg = compose_from_run_config(run_config)
     except ConfigError as err:
         log(ERROR, "%s", err)  # one clear line before Flower's own report of the failed run
         raise
-    simulation = is_simulation(grid)
     if not simulation:
         log(INFO, "fedmm: deployment runtime: each SuperNode trains on its own data-path; no partitions.")
     run_experiment(grid, cfg, simulation=simulation)
+
+
+def on_flowers_engine(run_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The run config of a ``flwr run`` simulation, which runs on Flower's own engine (Ray): its
+    settings are validated, and recorded, with ``simulation.engine=ray``; a run config that asks
+    for another engine is refused (the in-process engine is ``fedmm``'s)."""
+    from fedmm.config import overrides_from_run_config
+
+    for item in overrides_from_run_config(run_config):
+        key, _, value = item.lstrip("+").partition("=")
+        if key == "simulation.engine" and value.strip("'\"") != "ray":
+            raise ConfigError("simulation.engine", value, "ray under flwr run, whose simulation runtime is Flower's engine "
+                              "(the in-process engine is fedmm's: `fedmm simulation.engine=local ...`)")
+    return {**run_config, "overrides": f"simulation.engine=ray {run_config.get('overrides', '') or ''}".strip()}

@@ -18,20 +18,6 @@ def _run(args: list[str]) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-def test_the_plain_loop_of_the_end_to_end_bench_runs(tmp_path: Path) -> None:
-    out = tmp_path / "e2e.json"
-    _run(["bench/e2e_overhead.py", "--strategies", "fedmr", "--runners", "plain", "--rounds", "2",
-          "--num-clients", "4", "--clients-per-round", "2", "--local-epochs", "1", "--repeats", "2", "--out", str(out)])
-    row = json.loads(out.read_text())["rows"][0]
-    # the whole process, spawn to exit, cut into phases that add up to it, in each of the 2 runs
-    assert len(row["phases_runs"]) == 2
-    for p in row["phases_runs"]:
-        parts = (p["imports"] + p["to_server_main"] + p["server_setup"] + p["round_1"] + p["rounds_2_to_last"]
-                 + p["after_last_round"])
-        assert abs(parts - p["process"]) < 1e-6 and all(v >= 0 for v in p.values()), p
-    assert row["phases_median"]["process"] > 0
-
-
 def test_phases_of_a_simulated_process_from_its_marks() -> None:
     import importlib.util
 

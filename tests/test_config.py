@@ -117,3 +117,17 @@ def test_resume_config_continues_the_run_and_allows_only_safe_changes(tmp_path) 
     del cfg["selection"]
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
     assert resume_config(tmp_path).selection.to_dict() == {"name": "uniform"}
+
+
+def test_flwr_run_records_flowers_engine_and_refuses_another() -> None:
+    """A `flwr run` simulation runs on Flower's engine: its config is validated and recorded with
+    simulation.engine=ray (so Ray's own settings pass); asking it for the in-process engine is an
+    error that names fedmm's."""
+    from fedmm.config import compose_from_run_config
+    from server_app.server_app import on_flowers_engine
+
+    cfg = compose_from_run_config(on_flowers_engine({"overrides": "simulation.client_cpus=2"}))
+    assert cfg.simulation.engine == "ray" and cfg.simulation.client_cpus == 2
+    with pytest.raises(ConfigError) as info:
+        on_flowers_engine({"overrides": "partition.alpha=0.1 simulation.engine=local"})
+    assert info.value.key == "simulation.engine" and "fedmm simulation.engine=local" in str(info.value)

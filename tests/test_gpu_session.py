@@ -1,6 +1,7 @@
 """bench/gpu_session.py, the prepared call for a lent GPU machine: the wheels it carries are the
 app's requirements the machine lacks (never Ray), and its dry run on the CPU runs every step and
-writes every result file."""
+writes every result file (bench/e2e_overhead.py's plain loop and in-process runner among them,
+whose whole-process phases add up)."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def test_the_wheels_are_what_the_app_needs_and_the_gpu_machine_lacks() -> None:
 
 def test_the_dry_run_on_the_cpu_runs_every_step(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    cmd = [sys.executable, "bench/gpu_session.py", "run", "--device", "cpu", "--rounds", "2", "--strategies", "fedavg",
+    cmd = [sys.executable, "bench/gpu_session.py", "run", "--device", "cpu", "--rounds", "2", "--strategies", "fedmr",
            "--quick", "--out", str(out), "--site", str(tmp_path / "site"), "--budget-s", "400"]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=500)
     record = json.loads((out / "gpu_session.json").read_text())
@@ -51,6 +52,11 @@ def test_the_dry_run_on_the_cpu_runs_every_step(tmp_path: Path) -> None:
     assert set(runners) == {"this app, in-process", "plain loop"}
     local = runners["this app, in-process"]
     assert local["delta_accuracy"] == 0.0 and local["max_weight_diff"] < 1e-3  # the same training as the plain loop
-    assert local["phases_median"]["rounds_2_to_last"] > 0
+    for row in e2e["rows"]:  # the whole process, spawn to exit, cut into phases that add up to it
+        for p in row["phases_runs"]:
+            parts = (p["imports"] + p["to_server_main"] + p["server_setup"] + p["round_1"] + p["rounds_2_to_last"]
+                     + p["after_last_round"])
+            assert abs(parts - p["process"]) < 1e-6 and all(v >= 0 for v in p.values()), p
+        assert row["phases_median"]["rounds_2_to_last"] > 0 and "ray_init" not in row["phases_median"]
     throughput = json.loads((out / "gpu_throughput.json").read_text())
     assert throughput["device"] == "cpu" and throughput["models"]["cnn"]["rows"][0]["clients"] == 1

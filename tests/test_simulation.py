@@ -89,6 +89,7 @@ def test_flwr_run_simulation_writes_metrics(tmp_path: Path) -> None:
     # the federation had 4 SuperNodes although conf/ says num_clients=20: the run adapts
     assert "num_clients: 4" in (out / "config.yaml").read_text()
     assert "name: feddyn" in (out / "config.yaml").read_text() and rows[2].get("h_norm", 0) > 0  # FedDyn's h moved
+    assert "engine: ray" in (out / "config.yaml").read_text()  # flwr run simulates on Flower's engine, and says so
     # `fedmm` with the same settings gives the same curve (docs/usage.md says so)
     from launch.cli import run_job
 
@@ -117,6 +118,8 @@ def test_multimodel_simulation_dispatch_stages_and_failing_client(tmp_path: Path
             f"strategy={strategy}", *staged[strategy], f"num_rounds={rounds[strategy]}", "num_clients=3",
             "clients_per_round=3", "training.local_epochs=1", f"output_dir={tmp_path / strategy}",
             "dataset.test_fraction=0.75",  # 1,250 training images: ~417 per client, enough to show each method
+            # the small LeNet, but MOON's CNN: its contrastive term keeps a LeNet at chance for 2 rounds
+            f"model={'cnn' if strategy == 'moon' else 'lenet'}",
         ]))
         for strategy in strategies
     ]
@@ -124,14 +127,14 @@ def test_multimodel_simulation_dispatch_stages_and_failing_client(tmp_path: Path
     # clustered sampling: the nodes report their sizes in the roster query, two draws per round
     cfgs.append(to_container(compose([
         "strategy=clusamp", "num_rounds=2", "num_clients=3", "clients_per_round=2", "training.local_epochs=1",
-        "dataset.test_fraction=0.75",
+        "dataset.test_fraction=0.75", "model=lenet",
         "max_failed_rounds=0", f"output_dir={tmp_path / 'clusamp'}",
     ])))
     # FedMR with secure recombination (both exchanges, 2 repetitions) on the real handlers: the
     # failing node passes the key setup and fails in stage 1, the other two roll back and retry
     cfgs.append(to_container(compose([
         "strategy=fedmr", "strategy.secure.enabled=true", "num_rounds=1", "num_clients=3", "clients_per_round=3",
-        "training.local_epochs=1", "dataset.test_fraction=0.75", f"output_dir={tmp_path / 'secure'}",
+        "training.local_epochs=1", "dataset.test_fraction=0.75", "model=lenet", f"output_dir={tmp_path / 'secure'}",
     ])))
     log: list = []
     out: dict = {}
