@@ -83,5 +83,5 @@ def test_the_scale_bench_counts_what_the_strategy_holds_also_while_it_aggregates
 def test_the_objective_cost_bench_runs_the_stateful_objectives(tmp_path: Path) -> None:
     out = tmp_path / "cost.json"
     _run(["bench/objective_cost.py", "--clients", "2", "--partitions", "20", "--rounds", "1", "--methods", "fedavg", "scaffold", "fedgen",
-          "--out", str(out)])
+          "--model", "lenet", "--training", "default", "--out", str(out)])
     assert out.is_file() and json.loads(out.read_text())

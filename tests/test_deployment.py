@@ -203,6 +203,7 @@ class Deployment:
             FLWR_HOME=str(home),
             FLWR_TELEMETRY_ENABLED="0",
             FLWR_DISABLE_UPDATE_CHECK="1",
+            OMP_NUM_THREADS="1",
             FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
             HF_DATASETS_OFFLINE="1",
             HF_HUB_OFFLINE="1",
