@@ -184,8 +184,8 @@ def cuda_memory_advice(run: RunSettings, what: str) -> Iterator[None]:
                       f"larger share (fewer at once), or lower training.batch_size={run.training.batch_size}")
         else:  # one ClientApp at a time (the in-process engine), beside what its process holds on the device
             advice = (f"one ClientApp at a time, beside what its process holds on the device (in-process: the "
-                      f"server's models and evaluation); lower training.batch_size={run.training.batch_size}, or "
-                      f"run the server's evaluation elsewhere")
+                      f"server's central evaluation); lower training.batch_size={run.training.batch_size}, or start "
+                      f"fedmm with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
         raise ClientOutOfMemory(
             f"CUDA out of memory during {what}{free_text}: {advice}; docs/performance.md, 'CUDA out of memory'. "
             f"[{str(err).splitlines()[0][:200]}]"

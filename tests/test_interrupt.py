@@ -4,7 +4,8 @@ and status `interrupted` (that a checkpoint resumes exactly is tested in
 tests/test_same_results.py).
 
 The signal sent is SIGTERM (what a batch scheduler or `kill` sends): Ray's start-up replaces the
-process's SIGTERM handler, so it is the case that needs the app to keep its own. Ctrl-C (SIGINT)
+process's SIGTERM handler, so it is the case that needs the app to keep its own. On Ray the run
+is FedCross with the default config, which then resumes on Ray and gives the recorded results. Ctrl-C (SIGINT)
 goes to the same handler (``fedmm.interrupt``). On the in-process engine the ClientApp trains in
 fedmm's own thread: the first signal lets the client in training finish, a second one stops it
 at once; either way the run's files are written.
@@ -30,9 +31,9 @@ BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parent.parent
 
 
-def start_and_reach_round_1(run: Path, env: dict, engine: str) -> subprocess.Popen:
-    cmd = [str(BIN / "fedmm"), "num_rounds=50", "num_clients=4", "clients_per_round=2", "training.local_epochs=1",
-           "checkpoint_every=100", f"simulation.engine={engine}", f"hydra.run.dir={run}"]  # only the stop writes a checkpoint
+def start_and_reach_round_1(run: Path, env: dict, engine: str, overrides: list[str]) -> subprocess.Popen:
+    cmd = [str(BIN / "fedmm"), *overrides, "checkpoint_every=100", f"simulation.engine={engine}",
+           f"hydra.run.dir={run}"]  # only the stop writes a checkpoint
     proc = subprocess.Popen(cmd, cwd=run.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 300
     while not ((run / "metrics.jsonl").exists() and len(read_metrics(run)) >= 2):
@@ -41,10 +42,16 @@ def start_and_reach_round_1(run: Path, env: dict, engine: str) -> subprocess.Pop
     return proc
 
 
+#: What each engine runs: in process a small job; on Ray FedCross with the default config, which
+#: after the stop resumes on Ray to the recorded results of tests/test_same_results.py.
+RUNS = {"local": ["num_rounds=50", "num_clients=4", "clients_per_round=2", "training.local_epochs=1"],
+        "ray": ["strategy=fedcross", "num_rounds=3", "seed=0"]}
+
+
 @pytest.mark.parametrize("engine", ["local", "ray"])
 def test_sigterm_stops_within_seconds_with_a_checkpoint(tmp_path: Path, ray_env: dict, engine: str) -> None:
     run = tmp_path / "run"
-    proc = start_and_reach_round_1(run, ray_env, engine)
+    proc = start_and_reach_round_1(run, ray_env, engine, RUNS[engine])
     proc.send_signal(signal.SIGTERM)
     start = time.time()
     output, _ = proc.communicate(timeout=60)
@@ -61,6 +68,11 @@ def test_sigterm_stops_within_seconds_with_a_checkpoint(tmp_path: Path, ray_env:
     checkpoint = load_checkpoint(run)
     assert checkpoint["round"] == done and [r["round"] for r in checkpoint["metrics"]] == list(range(done + 1))
     assert [r["round"] for r in read_metrics(run)] == list(range(done + 1))
+    if engine == "ray":  # resumed on Ray (the run's own config), the rounds are the recorded ones
+        from tests.test_same_results import assert_resumes_to_the_recorded_results
+
+        assert done < 3
+        assert_resumes_to_the_recorded_results(run, "fedcross", 3, tmp_path / "hydra", env=ray_env)
 
 
 #: ``fedmm`` whose clients train for a long time from round 2 on (torch work, as real training).
