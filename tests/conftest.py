@@ -74,20 +74,3 @@ def composed(*overrides: str) -> Any:
     a good part of a second); every call gets its own copy."""
     return copy.deepcopy(_composed(tuple(overrides)))
 
-
-#: The files that take longest, longest first (measured with ``pytest -n 2 --durations``), start first:
-#: with ``--dist loadfile`` each file runs on one worker, and a long file started last would leave
-#: the other worker idle at the end (longest first keeps the two workers' totals close).
-SLOWEST_FIRST = ["test_deployment", "test_simulation", "test_same_results", "test_interrupt", "test_text",
-                 "test_engines", "test_parity", "test_async", "test_gpu_session", "test_ray_cluster",
-                 "test_experiments", "test_dropin", "test_report"]
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the order below, not "most tests first"
-        config.option.loadscopereorder = False
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: each file keeps its order
