@@ -85,3 +85,12 @@ def test_the_objective_cost_bench_runs_the_stateful_objectives(tmp_path: Path) -
     _run(["bench/objective_cost.py", "--clients", "2", "--partitions", "20", "--rounds", "1", "--methods", "fedavg", "scaffold", "fedgen",
           "--model", "lenet", "--training", "default", "--out", str(out)])
     assert out.is_file() and json.loads(out.read_text())
+
+
+def test_the_vectorized_throughput_bench_trains_both_paths_to_the_same_weights(tmp_path: Path) -> None:
+    out = tmp_path / "vec.json"
+    _run(["bench/vectorized_throughput.py", "--models", "lenet", "--clients", "3", "--batch-sizes", "8",
+          "--samples-per-client", "20", "--repeats", "1", "--out", str(out)])
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["clients"] == 3 and row["sequential_clients_per_s"] > 0 and row["vectorized_clients_per_s"] > 0
+    assert row["max_weight_diff"] < 1e-5  # the same training, one computation

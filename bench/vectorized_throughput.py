@@ -1,0 +1,146 @@
+"""Clients per second: K clients' local training one after another against as one computation.
+
+    .venv/bin/python bench/vectorized_throughput.py                                  # lenet cnn resnet20, K = 10 and 100, batch 10 and 50
+    .venv/bin/python bench/vectorized_throughput.py --models lenet --clients 10 --batch-sizes 50 --repeats 5
+    python bench/vectorized_throughput.py --device cuda                              # on a GPU machine
+
+For each (model, K, batch size): K clients, each with its own seeded synthetic split
+(``--samples-per-client`` rows; MNIST-shaped for ``lenet`` and ``cnn``, CIFAR-shaped for
+``resnet20``) and its own starting weights, trained for ``--epochs`` epochs of SGD with the
+declared training defaults (momentum 0.5), once by the ClientApp's loop one client after another
+(:func:`client_app.training.train_epochs`, the sequential path), once by
+:func:`client_app.vectorized.train_stacked` (all K as one ``torch.func`` computation). Reported:
+clients per second of each (median of ``--repeats``, after an untimed warm-up), the speed-up,
+the largest difference of any client's final weights between the two (float32: rounding only),
+and on CUDA the peak memory per client of each path.
+
+Random data costs the same compute as real data; loading and partitioning, messages and
+evaluation are not measured (``bench/e2e_overhead.py`` measures whole rounds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from client_app.training import train_epochs  # noqa: E402
+from client_app.vectorized import train_stacked  # noqa: E402
+from fedmm.data import ImageNormalize, TensorData  # noqa: E402
+from fedmm.data.spec import InputSpec  # noqa: E402
+from fedmm.models import build_model  # noqa: E402
+from fedmm.training import TrainingSettings  # noqa: E402
+
+SPECS = {"lenet": InputSpec(kind="image", num_classes=10, shape=(1, 28, 28)),
+         "cnn": InputSpec(kind="image", num_classes=10, shape=(1, 28, 28)),
+         "resnet20": InputSpec(kind="image", num_classes=10, shape=(3, 32, 32))}
+
+
+def client_data(rows: int, seed: int, shape: tuple[int, ...]) -> TensorData:
+    g = torch.Generator().manual_seed(seed)
+    return TensorData(x=torch.randint(0, 256, (rows, *shape), dtype=torch.uint8, generator=g),
+                      y=torch.randint(0, 10, (rows,), generator=g), ids=None,
+                      transform=ImageNormalize((0.5,) * shape[0], (0.25,) * shape[0]))
+
+
+def case(model_name: str, k: int, batch: int, rows: int, epochs: int, device: torch.device, repeats: int) -> dict:
+    from fedmm.config import compose
+    from objectives.base import build_local_update
+
+    spec = SPECS[model_name]
+    torch.manual_seed(0)
+    model = build_model(model_name, spec)
+    base = model.state_dict()
+    states = []
+    for client in range(k):
+        gen = torch.Generator().manual_seed(client)
+        states.append({n: (v + 0.01 * torch.randn(v.shape, generator=gen) if v.is_floating_point() else v.clone())
+                       for n, v in base.items()})
+    datas = [client_data(rows, 1000 + c, spec.shape) for c in range(k)]
+    training = TrainingSettings().replace(local_epochs=epochs, batch_size=batch)
+    update = build_local_update(compose([]))
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    reused = build_model(model_name, spec)  # as the ClientApp: one model, each client's weights loaded into it
+
+    def sequential() -> list[dict[str, torch.Tensor]]:
+        out = []
+        for client in range(k):
+            reused.load_state_dict(states[client])
+            train_epochs(reused, datas[client], update, training, 1, torch.Generator().manual_seed(client), device)
+            out.append({n: v.detach().clone() for n, v in reused.state_dict().items()})
+        return out
+
+    def vectorized() -> list[dict[str, torch.Tensor]]:
+        results, _ = train_stacked(model, states, datas, training, 1,
+                                   [torch.Generator().manual_seed(c) for c in range(k)], device)
+        return [r.state for r in results]
+
+    row: dict = {"model": model_name, "clients": k, "batch_size": batch, "rows_per_client": rows, "epochs": epochs}
+    finals = {}
+    for name, fn in (("sequential", sequential), ("vectorized", vectorized)):
+        fn()  # warm-up (and the CUDA context, kernels, allocator)
+        times = []
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        for _ in range(repeats):
+            sync()
+            start = time.perf_counter()
+            finals[name] = fn()
+            sync()
+            times.append(time.perf_counter() - start)
+        seconds = statistics.median(times)
+        row[f"{name}_s"] = seconds
+        row[f"{name}_clients_per_s"] = k / seconds
+        if device.type == "cuda":
+            row[f"{name}_peak_mib_per_client"] = torch.cuda.max_memory_allocated() / 2**20 / (1 if name == "sequential" else k)
+    row["speedup"] = row["sequential_s"] / row["vectorized_s"]
+    row["max_weight_diff"] = max(float((a[n].float() - b[n].float()).abs().max())
+                                 for a, b in zip(finals["sequential"], finals["vectorized"]) for n in a)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", choices=sorted(SPECS), default=["lenet", "cnn", "resnet20"])
+    parser.add_argument("--clients", nargs="+", type=int, default=[10, 100])
+    parser.add_argument("--batch-sizes", nargs="+", type=int, default=[10, 50])
+    parser.add_argument("--samples-per-client", type=int, default=50, help="rows per client (the papers' MNIST shape has ~40)")
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "vectorized_throughput.json"))
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    machine = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+               "cores": os.cpu_count(), "threads": torch.get_num_threads(), "device": str(device),
+               "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
+    print(f"vectorized_throughput: {machine}", flush=True)
+    print(f"{'model':<10}{'K':>5}{'batch':>6}{'seq clients/s':>15}{'vec clients/s':>15}{'speed-up':>10}{'max|Δw|':>10}", flush=True)
+    rows = []
+    for model_name in args.models:
+        for k in args.clients:
+            for batch in args.batch_sizes:
+                row = case(model_name, k, batch, args.samples_per_client, args.epochs, device, args.repeats)
+                rows.append(row)
+                print(f"{model_name:<10}{k:>5}{batch:>6}{row['sequential_clients_per_s']:>15.1f}"
+                      f"{row['vectorized_clients_per_s']:>15.1f}{row['speedup']:>9.2f}x{row['max_weight_diff']:>10.1e}", flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"machine": machine, "argv": sys.argv, "rows": rows}, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
