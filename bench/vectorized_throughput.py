@@ -52,6 +52,18 @@ def client_data(rows: int, seed: int, shape: tuple[int, ...]) -> TensorData:
                       transform=ImageNormalize((0.5,) * shape[0], (0.25,) * shape[0]))
 
 
+def starting_states(model: torch.nn.Module, k: int) -> list[dict[str, torch.Tensor]]:
+    """K different starting points near ``model``'s weights (the multi-model methods send each
+    client its own model); client c's noise is seeded by c."""
+    base = model.state_dict()
+    states = []
+    for client in range(k):
+        gen = torch.Generator().manual_seed(client)
+        states.append({n: (v + 0.01 * torch.randn(v.shape, generator=gen) if v.is_floating_point() else v.clone())
+                       for n, v in base.items()})
+    return states
+
+
 def case(model_name: str, k: int, batch: int, rows: int, epochs: int, device: torch.device, repeats: int) -> dict:
     from fedmm.config import compose
     from objectives.base import build_local_update
@@ -59,12 +71,7 @@ def case(model_name: str, k: int, batch: int, rows: int, epochs: int, device: to
     spec = SPECS[model_name]
     torch.manual_seed(0)
     model = build_model(model_name, spec)
-    base = model.state_dict()
-    states = []
-    for client in range(k):
-        gen = torch.Generator().manual_seed(client)
-        states.append({n: (v + 0.01 * torch.randn(v.shape, generator=gen) if v.is_floating_point() else v.clone())
-                       for n, v in base.items()})
+    states = starting_states(model, k)
     datas = [client_data(rows, 1000 + c, spec.shape) for c in range(k)]
     training = TrainingSettings().replace(local_epochs=epochs, batch_size=batch)
     update = build_local_update(compose([]))

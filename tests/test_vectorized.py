@@ -11,39 +11,32 @@ a wrong computation from another order of summation; in float64 the rounding is 
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 
 from client_app.training import train_epochs
 from client_app.vectorized import train_stacked
-from fedmm.data import ImageNormalize, TensorData
 from fedmm.data.spec import InputSpec
 from fedmm.models import build_model
 from fedmm.training import TrainingSettings
 from objectives.base import build_local_update
 
 CPU = torch.device("cpu")
+
+
+# The clients' data and starting weights are the bench's (bench/vectorized_throughput.py).
+_spec = importlib.util.spec_from_file_location("vectorized_throughput",
+                                               Path(__file__).resolve().parents[1] / "bench" / "vectorized_throughput.py")
+_bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_bench)
+client_data, starting_states = _bench.client_data, _bench.starting_states
+
 #: Rows of each client: two full batches and a short one; fewer rows than a batch; one batch
 #: exactly; three full batches (clients finish at different steps).
 SIZES = [37, 9, 16, 48]
-
-
-def client_data(n: int, seed: int, shape: tuple[int, ...]) -> TensorData:
-    g = torch.Generator().manual_seed(seed)
-    return TensorData(x=torch.randint(0, 256, (n, *shape), dtype=torch.uint8, generator=g),
-                      y=torch.randint(0, 10, (n,), generator=g), ids=None,
-                      transform=ImageNormalize((0.5,) * shape[0], (0.25,) * shape[0]))
-
-
-def starting_states(model: torch.nn.Module, k: int) -> list[dict[str, torch.Tensor]]:
-    """K different starting points (the multi-model methods send each client its own model)."""
-    base = model.state_dict()
-    states = []
-    for client in range(k):
-        gen = torch.Generator().manual_seed(client)
-        states.append({n: (v + 0.01 * torch.randn(v.shape, generator=gen) if v.is_floating_point() else v.clone())
-                       for n, v in base.items()})
-    return states
 
 
 def sequential(model_name: str, states, datas, training: TrainingSettings, server_round: int, seeds: list[int]):
