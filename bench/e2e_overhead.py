@@ -141,15 +141,18 @@ def num_cores() -> int:
 
 
 def compose_cfg(args: argparse.Namespace, strategy: str, client_cpus: float | None, output_dir: Path,
-                engine: str = "ray") -> dict[str, Any]:
+                engine: str = "ray", vectorize: str = "off") -> dict[str, Any]:
     """The resolved run config of one measurement (the app's defaults plus the options) on
-    ``engine`` (``client_cpus``: the Ray engine's ``simulation.client_cpus``)."""
+    ``engine`` (``client_cpus``: the Ray engine's ``simulation.client_cpus``; ``vectorize``: the
+    in-process engine's ``simulation.vectorize``)."""
     from fedmm import config as config_mod
 
     overrides = [f"strategy={strategy}", f"num_rounds={args.rounds}", f"seed={args.seed}",
                  f"output_dir={output_dir}", f"simulation.engine={engine}"]
     if engine == "ray":
         overrides.append(f"simulation.client_cpus={client_cpus}")
+    else:
+        overrides.append(f"simulation.vectorize={vectorize}")
     for key, value in (("num_clients", args.num_clients), ("clients_per_round", args.clients_per_round),
                        ("training.local_epochs", args.local_epochs), ("model", args.model)):
         if value is not None:
@@ -731,9 +734,11 @@ def main() -> None:
                              "round, Dir(0.1), 5 local epochs, batch 50, cnn); the options below override it")
     parser.add_argument("--strategies", nargs="+", default=["fedavg", "fedmr", "fedcross"],
                         help="any strategy option (declared, or a preset of conf/strategy/)")
-    parser.add_argument("--runners", nargs="+", choices=["plain", "local", "flower", "anchor"],
+    parser.add_argument("--runners", nargs="+", choices=["plain", "local", "vectorized", "flower", "anchor"],
                         default=["plain", "local", "flower", "anchor"],
-                        help="plain: the sequential loop; local: this app on the in-process engine; flower: this app on "
+                        help="plain: the sequential loop; local: this app on the in-process engine, one client at a time "
+                             "(simulation.vectorize=off); vectorized: the same, each round's clients as one computation "
+                             "(simulation.vectorize=on); flower: this app on "
                              "Flower's simulation engine (Ray); anchor: Flower's built-in FedAvg with a minimal ClientApp "
                              "doing the same training on Flower's simulation engine (run once)")
     parser.add_argument("--rounds", type=int, default=None, help="rounds (>= 2; default: the workload's)")
@@ -821,10 +826,13 @@ def main() -> None:
                                    local_epochs=cfg["training"]["local_epochs"], model=cfg["model"]["name"]))
         reference = plain_rows[0] if plain_rows else None
         flower_rows: list[dict[str, Any]] = []
-        if "local" in args.runners:
-            cfg = compose_cfg(args, strategy, None, workdir / strategy / "local" / "run", engine="local")
-            res = run_child("flower", {"cfg": cfg, "parallel": 1}, workdir / strategy / "local", args.verbose, args.repeats)
-            row = dict(res, strategy=strategy, runner="this app, in-process", parallel=1, threads=cores, client_cpus=None)
+        for runner, vectorize, label in (("local", "off", "this app, in-process"),
+                                         ("vectorized", "on", "this app, in-process, vectorized")):
+            if runner not in args.runners:
+                continue
+            cfg = compose_cfg(args, strategy, None, workdir / strategy / runner / "run", engine="local", vectorize=vectorize)
+            res = run_child("flower", {"cfg": cfg, "parallel": 1}, workdir / strategy / runner, args.verbose, args.repeats)
+            row = dict(res, strategy=strategy, runner=label, parallel=1, threads=cores, client_cpus=None)
             match = next((p for p in plain_rows if p["threads"] == cores), reference)
             if match is not None and match["runner"] == "plain loop":
                 row.update(compared_with_threads=match["threads"],

@@ -22,10 +22,17 @@ runs each step as a child process with its own time limit, all within ``--budget
 every step (what ran, how long, its exit status and output tail) beside the step's own files:
 
 1. ``cuda_tests``: ``pytest -m cuda`` (tests/test_cuda.py; skipped where no CUDA device is);
-2. ``e2e``: ``bench/e2e_overhead.py --workload papers --runners plain local`` with
-   ``training.device=<device>``: the in-process engine against the plain loop, each of
-   ``--strategies``, ``--rounds`` rounds (``e2e.json``);
-3. ``throughput``: ``bench/gpu_throughput.py --device <device>`` (``gpu_throughput.json``).
+2. ``e2e``: ``bench/e2e_overhead.py --workload papers --runners plain local vectorized`` with
+   ``training.device=<device>``: the in-process engine, one client at a time and each round's
+   clients as one computation, against the plain loop, each of ``--strategies``, ``--rounds``
+   rounds (``e2e.json``);
+3. ``throughput``: ``bench/gpu_throughput.py --device <device>`` (``gpu_throughput.json``);
+4. ``vectorized``: ``bench/vectorized_throughput.py --device <device>``: clients per second one
+   at a time against as one computation, lenet, cnn and resnet20, K = 10 and 100, batch 10 and
+   50, with GPU memory per client (``vectorized_throughput.json``);
+5. ``cifar_round``: the same for a round of the papers' CIFAR-10 shape (10 clients of 500
+   images, 5 epochs, batch 50; lenet and resnet20) and 2,000 rounds of it projected
+   (``cifar_round.json``).
 
 ``--quick`` shrinks every step to a smoke run (4 clients, 1 epoch, one throughput case): the dry
 run on the CPU, tests/test_gpu_session.py.
@@ -230,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     session.step("cuda_tests", [py, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py",
                                 f"--junitxml={out / 'cuda_tests.xml'}"], args.tests_s)
-    e2e = [py, "bench/e2e_overhead.py", "--workload", "papers", "--runners", "plain", "local", "--rounds", str(args.rounds),
+    e2e = [py, "bench/e2e_overhead.py", "--workload", "papers", "--runners", "plain", "local", "vectorized", "--rounds", str(args.rounds),
            "--strategies", *args.strategies, "--override", f"training.device={args.device}", "--workdir",
            str(Path(args.site).parent / "e2e-runs"), "--out", str(out / "e2e.json")]
     if args.quick:
@@ -242,6 +249,14 @@ def run(args: argparse.Namespace) -> int:
     else:
         throughput += ["--clients", "1", "2", "4", "8", "--repeats", "3"]
     session.step("throughput", throughput, args.throughput_s)
+    vectorized = [py, "bench/vectorized_throughput.py", "--device", args.device, "--out", str(out / "vectorized_throughput.json")]
+    vectorized += ["--models", "lenet", "--clients", "2", "--batch-sizes", "10", "--repeats", "1"] if args.quick else ["--repeats", "2"]
+    session.step("vectorized", vectorized, args.vectorized_s)
+    cifar = [py, "bench/vectorized_throughput.py", "--device", args.device, "--models", "lenet", "resnet20", "--shape", "cifar",
+             "--batch-sizes", "50", "--projected-rounds", "2000", "--out", str(out / "cifar_round.json")]
+    cifar += (["--clients", "2", "--samples-per-client", "60", "--epochs", "1", "--repeats", "1"] if args.quick
+              else ["--clients", "10", "--samples-per-client", "500", "--epochs", "5", "--repeats", "2"])
+    session.step("cifar_round", cifar, args.cifar_s)
     record["seconds"] = round(time.monotonic() - started, 1)
     session.save()
     return 0 if all(s["status"] == "ok" for s in record["steps"]) else 1
@@ -256,13 +271,15 @@ def main(argv: list[str] | None = None) -> int:
     there = sub.add_parser("run", help="there: install the wheels, then the CUDA tests, the e2e runs, the throughput bench")
     there.add_argument("--out", required=True, help="where the JSON results go ($OUT on the GPU machine)")
     there.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    there.add_argument("--rounds", type=int, default=20)
+    there.add_argument("--rounds", type=int, default=10)
     there.add_argument("--strategies", nargs="+", default=["fedavg", "fedmr", "fedcross"])
     there.add_argument("--quick", action="store_true", help="smoke-sized steps (the dry run)")
     there.add_argument("--budget-s", type=float, default=510.0, help="seconds for the whole call")
-    there.add_argument("--tests-s", type=float, default=120.0)
-    there.add_argument("--e2e-s", type=float, default=240.0)
-    there.add_argument("--throughput-s", type=float, default=200.0)
+    there.add_argument("--tests-s", type=float, default=90.0)
+    there.add_argument("--e2e-s", type=float, default=170.0)
+    there.add_argument("--throughput-s", type=float, default=70.0)
+    there.add_argument("--vectorized-s", type=float, default=90.0)
+    there.add_argument("--cifar-s", type=float, default=60.0)
     there.add_argument("--site", default="/tmp/fedmm-gpu/site", help="where the wheels are installed")
     args = parser.parse_args(argv)
     if args.command == "wheels":

@@ -3,6 +3,8 @@
     .venv/bin/python bench/vectorized_throughput.py                                  # lenet cnn resnet20, K = 10 and 100, batch 10 and 50
     .venv/bin/python bench/vectorized_throughput.py --models lenet --clients 10 --batch-sizes 50 --repeats 5
     python bench/vectorized_throughput.py --device cuda                              # on a GPU machine
+    python bench/vectorized_throughput.py --device cuda --models lenet resnet20 --shape cifar --clients 10 \
+        --samples-per-client 500 --epochs 5 --batch-sizes 50 --projected-rounds 2000      # a round of the papers' CIFAR-10 shape
 
 For each (model, K, batch size): K clients, each with its own seeded synthetic split
 (``--samples-per-client`` rows; MNIST-shaped for ``lenet`` and ``cnn``, CIFAR-shaped for
@@ -64,11 +66,16 @@ def starting_states(model: torch.nn.Module, k: int) -> list[dict[str, torch.Tens
     return states
 
 
-def case(model_name: str, k: int, batch: int, rows: int, epochs: int, device: torch.device, repeats: int) -> dict:
+#: ``--shape cifar``: every model on CIFAR-shaped inputs (the papers' CIFAR-10 experiments).
+CIFAR = InputSpec(kind="image", num_classes=10, shape=(3, 32, 32))
+
+
+def case(model_name: str, k: int, batch: int, rows: int, epochs: int, device: torch.device, repeats: int,
+         spec: InputSpec | None = None) -> dict:
     from fedmm.config import compose
     from objectives.base import build_local_update
 
-    spec = SPECS[model_name]
+    spec = spec or SPECS[model_name]
     torch.manual_seed(0)
     model = build_model(model_name, spec)
     states = starting_states(model, k)
@@ -89,10 +96,11 @@ def case(model_name: str, k: int, batch: int, rows: int, epochs: int, device: to
 
     def vectorized() -> list[dict[str, torch.Tensor]]:
         results, _ = train_stacked(model, states, datas, training, 1,
-                                   [torch.Generator().manual_seed(c) for c in range(k)], device)
+                                   [torch.Generator().manual_seed(c) for c in range(k)], device, [update] * k)
         return [r.state for r in results]
 
-    row: dict = {"model": model_name, "clients": k, "batch_size": batch, "rows_per_client": rows, "epochs": epochs}
+    row: dict = {"model": model_name, "clients": k, "batch_size": batch, "rows_per_client": rows, "epochs": epochs,
+                 "input_shape": list(spec.shape)}
     finals = {}
     for name, fn in (("sequential", sequential), ("vectorized", vectorized)):
         fn()  # warm-up (and the CUDA context, kernels, allocator)
@@ -126,6 +134,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--shape", choices=("model", "cifar"), default="model",
+                        help="model: MNIST-shaped for lenet and cnn, CIFAR-shaped for resnet20; cifar: CIFAR-shaped for all")
+    parser.add_argument("--projected-rounds", type=int, default=None,
+                        help="also report the local training of that many rounds of K clients, in minutes (e.g. 2000: "
+                             "one row of the papers' tables; with --clients 10 --samples-per-client 500 --epochs 5 "
+                             "--batch-sizes 50 --shape cifar, the papers' CIFAR-10 shape)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "vectorized_throughput.json"))
     args = parser.parse_args()
     if args.threads:
@@ -140,7 +154,15 @@ def main() -> None:
     for model_name in args.models:
         for k in args.clients:
             for batch in args.batch_sizes:
-                row = case(model_name, k, batch, args.samples_per_client, args.epochs, device, args.repeats)
+                row = case(model_name, k, batch, args.samples_per_client, args.epochs, device, args.repeats,
+                           CIFAR if args.shape == "cifar" else None)
+                if args.projected_rounds:
+                    for name in ("sequential", "vectorized"):
+                        row[f"{name}_projected_min"] = row[f"{name}_s"] * args.projected_rounds / 60
+                    row["projected_rounds"] = args.projected_rounds
+                    print(f"  {args.projected_rounds} rounds of this local training: sequential "
+                          f"{row['sequential_projected_min']:.1f} min, vectorized {row['vectorized_projected_min']:.1f} min",
+                          flush=True)
                 rows.append(row)
                 print(f"{model_name:<10}{k:>5}{batch:>6}{row['sequential_clients_per_s']:>15.1f}"
                       f"{row['vectorized_clients_per_s']:>15.1f}{row['speedup']:>9.2f}x{row['max_weight_diff']:>10.1e}", flush=True)

@@ -19,7 +19,7 @@ the start-up.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from flwr.app import ConfigRecord, Context, Message
@@ -49,6 +49,15 @@ def train(msg: Message, context: Context) -> Message:
     from client_app import work
 
     return work.train_reply(msg, context)
+
+
+def train_batch(messages: Sequence[Message], contexts: Sequence[Context]) -> list[Any] | None:
+    """The in-process engine's handler of a round's train messages (``simulation.vectorize``):
+    trained as one computation, each reply what :func:`train` would send (or the exception it
+    would raise), or None where they train one at a time (client_app/vectorized.py)."""
+    from client_app import vectorized
+
+    return vectorized.train_messages(messages, contexts)
 
 
 def _secure_train(config: str, context: Context, server_round: int, arrays: protocol.ModelDict) -> tuple[protocol.ModelDict, dict[str, float]]:

@@ -5,43 +5,49 @@ buffers are stacked along a new first dimension, and each SGD step is one ``vmap
 clients of ``grad`` of the batch loss through ``functional_call``. Every client keeps what the
 sequential loop (:func:`client_app.training.train_epochs`) gives it:
 
+- its objective's loss and gradient correction, the objective's own code
+  (:meth:`objectives.base.LocalUpdate.batch_loss`, :meth:`~objectives.base.LocalUpdate.correct_gradient`)
+  with its own tensors (:meth:`~objectives.base.LocalUpdate.tensors`: FedProx's anchor, SCAFFOLD's
+  correction, FedDyn's linear term, FedRL's reference model) stacked;
 - its batches, in the order the sequential loop draws them (:func:`client_app.training.local_batches`
   with the client's own generator);
 - its SGD state: momentum buffer, weight decay, the round's learning rate, gradient clipping by
-  its own norm (``torch.nn.utils.clip_grad_norm_``'s arithmetic);
-- its BatchNorm running statistics (buffers stacked like the parameters) and its own dropout draws
-  (``randomness="different"``).
+  its own norm (``torch.nn.utils.clip_grad_norm_``'s arithmetic), the objective's clipping first;
+- its BatchNorm running statistics (buffers stacked like the parameters) and its dropout masks:
+  drawn, client by client, from a generator seeded as the sequential loop seeds torch's global
+  one, in the order the forward pass uses them (equal to the sequential loop's on the CPU).
 
 Ragged clients are exact: at each step the clients whose next batch has the same size train as
 one group (gathered from the stack and written back); a client's short last batch trains in a
 group of its own size, and a client that has run out of batches is in no group. No padded row
 ever reaches a loss or a BatchNorm statistic.
 
-The module imports no Flower.
+:func:`train_stacked` imports no Flower; :func:`train_messages` is the in-process engine's
+batch handler (fedmm/local_engine.py): the round's train messages in, their replies out.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
-from torch.func import functional_call, grad_and_value, vmap
-from torch.nn import functional as F
+from torch.func import grad_and_value, vmap
 
 from client_app.training import local_batches
 from fedmm.data import TensorData
 from fedmm.training import TrainingSettings, round_lr
+from objectives.base import LocalUpdate
 
-#: (model, parameters and buffers of one client, x, y) -> the batch's loss (a scalar).
-LossFn = Callable[[nn.Module, dict[str, torch.Tensor], torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def cross_entropy(model: nn.Module, weights: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Plain cross-entropy of one client's batch (the loss of ``objectives.base.LocalUpdate``)."""
-    return F.cross_entropy(functional_call(model, weights, (x,)), y)
+#: The optimizer arguments the stacked SGD step implements (an objective asking for more, e.g.
+#: Nesterov momentum, trains one client at a time).
+SGD_ARGUMENTS = frozenset({"lr", "momentum", "weight_decay"})
 
 
 @dataclass
@@ -53,6 +59,101 @@ class ClientResult:
     steps: int
 
 
+class ReplayDropout(nn.Module):
+    """``nn.Dropout`` whose mask is given (one client's, under ``vmap``): ``x * mask``, the mask
+    already holding the ``1 / (1 - p)`` scale, as PyTorch's CPU dropout computes it."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = float(p)
+        self.mask: torch.Tensor | None = None
+        self.traced: tuple[int, ...] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mask is None:  # tracing the shapes of a batch
+            self.traced = tuple(x.shape)
+            return x
+        return x * self.mask
+
+
+def unsupported_modules(model: nn.Module) -> list[str]:
+    """Modules of ``model`` the stacked step cannot run exactly (random ones other than
+    ``nn.Dropout``, recurrent ones)."""
+    bad = []
+    for name, module in model.named_modules():
+        random_kind = isinstance(module, nn.modules.dropout._DropoutNd) and type(module) is not nn.Dropout
+        if random_kind or isinstance(module, nn.RNNBase):
+            bad.append(f"{name or 'model'} ({type(module).__name__})")
+    return bad
+
+
+class _Dropouts:
+    """The clients' dropout masks: each client's own generator, seeded as the sequential loop
+    seeds torch's global generator, draws ``bernoulli(1 - p) / (1 - p)`` per dropout layer in
+    forward order (PyTorch's CPU dropout: ``empty_like(x).bernoulli_(1 - p).div_(1 - p)``)."""
+
+    def __init__(self, arch: nn.Module, seeds: Sequence[int] | None, k: int) -> None:
+        self.arch = arch
+        self.layers = [m for m in arch.modules() if isinstance(m, ReplayDropout)]
+        if self.layers and seeds is None:
+            raise ValueError("the model has dropout: give each client's dropout seed (the seed of its round)")
+        self.generators = [torch.Generator().manual_seed(int(s)) for s in seeds] if self.layers else []
+        self.shapes: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
+        self.order: list[ReplayDropout] = []
+
+    def masks(self, members: Sequence[int], x: torch.Tensor, device: torch.device) -> list[torch.Tensor]:
+        if not self.layers:
+            return []
+        key = tuple(x.shape[1:])
+        if key not in self.shapes:  # one forward with no masks: each dropout layer's input shape, in call order
+            for layer in self.layers:
+                layer.traced = None
+            calls: list[ReplayDropout] = []
+            hooks = [layer.register_forward_pre_hook(lambda m, _: calls.append(m)) for layer in self.layers]
+            was_training = self.arch.training
+            try:
+                with torch.no_grad():
+                    self.arch.eval()(x[0])
+            finally:
+                self.arch.train(was_training)
+                for hook in hooks:
+                    hook.remove()
+            self.order = calls
+            self.shapes[key] = [layer.traced for layer in calls]
+        out = []
+        for layer, shape in zip(self.order, self.shapes[key]):
+            keep = 1.0 - layer.p
+            per_client = []
+            for client in members:
+                noise = torch.empty(shape, dtype=x.dtype).bernoulli_(keep, generator=self.generators[client])
+                per_client.append(noise.div_(keep))
+            out.append(torch.stack(per_client).to(device))
+        return out
+
+    def set(self, masks: Sequence[torch.Tensor] | None) -> None:
+        for layer, mask in zip(self.order, masks or [None] * len(self.order)):
+            layer.mask = mask
+
+
+def _architecture(model: nn.Module) -> nn.Module:
+    """``model``, or a copy whose ``nn.Dropout`` layers replay given masks."""
+    if not any(type(m) is nn.Dropout for m in model.modules()):
+        return model
+    arch = copy.deepcopy(model)
+    for module in list(arch.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is nn.Dropout:
+                setattr(module, name, ReplayDropout(child.p))
+    return arch
+
+
+def _clip(grads: dict[str, torch.Tensor], max_norm: float) -> dict[str, torch.Tensor]:
+    """``clip_grad_norm_`` per client: one norm over all of a client's gradients (stacked)."""
+    norms = torch.stack([g.flatten(1).norm(2, dim=1) for g in grads.values()], dim=1).norm(2, dim=1)
+    coef = (max_norm / (norms + 1e-6)).clamp(max=1.0)
+    return {n: g * coef.view(-1, *([1] * (g.dim() - 1))) for n, g in grads.items()}
+
+
 def train_stacked(
     model: nn.Module,
     states: Sequence[dict[str, torch.Tensor]],
@@ -61,40 +162,70 @@ def train_stacked(
     server_round: int,
     generators: Sequence[torch.Generator],
     device: torch.device,
-    loss_fn: LossFn = cross_entropy,
+    updates: Sequence[LocalUpdate],
+    dropout_seeds: Sequence[int] | None = None,
 ) -> tuple[list[ClientResult], float]:
     """Train ``len(states)`` clients of one architecture together; return each one's result
     and the seconds it all took.
 
     ``model`` gives the architecture only (its own weights are not used or changed); client k
     starts from ``states[k]`` (a state dict of ``model``'s keys), trains on ``datas[k]`` with
-    ``generators[k]`` drawing its batch order, exactly as
-    :func:`client_app.training.train_epochs` would with the same arguments.
+    ``generators[k]`` drawing its batch order and ``updates[k]`` (its objective, after
+    :meth:`~objectives.base.LocalUpdate.begin`) giving its loss, exactly as
+    :func:`client_app.training.train_epochs` would with the same arguments and
+    ``torch.manual_seed(dropout_seeds[k])`` (needed when the model has dropout).
     """
     start = time.perf_counter()
     k = len(states)
-    if not (k == len(datas) == len(generators)) or k == 0:
-        raise ValueError(f"one state, data split and generator per client: {len(states)}, {len(datas)}, {len(generators)}")
-    model = model.to(device).train()
-    param_names = [name for name, _ in model.named_parameters()]
-    buffer_names = [name for name, _ in model.named_buffers()]
-    for index, state in enumerate(states):
-        if set(state) != set(param_names) | set(buffer_names):
-            missing = sorted(set(param_names) | set(buffer_names) - set(state))
-            extra = sorted(set(state) - set(param_names) - set(buffer_names))
-            raise ValueError(f"client {index}'s state does not fit the model: missing {missing}, unexpected {extra}")
-    params = {n: torch.stack([s[n] for s in states]).to(device) for n in param_names}
-    buffers = {n: torch.stack([s[n] for s in states]).to(device) for n in buffer_names}
-    momentum_buf = {n: torch.zeros_like(p) for n, p in params.items()}  # m * 0 + g = g: torch's first step, exactly
-
+    if not (k == len(datas) == len(generators) == len(updates)) or k == 0:
+        raise ValueError(f"one state, data split, generator and objective per client: {len(states)}, {len(datas)}, "
+                         f"{len(generators)}, {len(updates)}")
+    kinds = {type(u) for u in updates}
+    if len(kinds) != 1 or not updates[0].vectorized:
+        raise ValueError(f"clients of one vectorized objective train together, got {sorted(c.__name__ for c in kinds)}")
+    bad = unsupported_modules(model)
+    if bad:
+        raise ValueError(f"the model has modules the stacked step cannot run: {', '.join(bad)}")
+    objective = updates[0]
+    training = objective.local_training(training)
     lr = round_lr(training, server_round)
-    momentum, weight_decay = float(training.momentum), float(training.weight_decay)
+    args = objective.optimizer_args(training, lr)
+    if set(args) - SGD_ARGUMENTS:
+        raise ValueError(f"{type(objective).__name__}'s optimizer arguments {sorted(set(args) - SGD_ARGUMENTS)} are "
+                         f"not the stacked SGD step's ({', '.join(sorted(SGD_ARGUMENTS))})")
+    lr, momentum, weight_decay = float(args["lr"]), float(args.get("momentum", 0.0)), float(args.get("weight_decay", 0.0))
+
+    arch = _architecture(model.to(device)).train()
+    trainable = [name for name, p in arch.named_parameters() if p.requires_grad]
+    fixed = [name for name, p in arch.named_parameters() if not p.requires_grad] + [name for name, _ in arch.named_buffers()]
+    for index, state in enumerate(states):
+        if set(state) != set(trainable) | set(fixed):
+            missing = sorted(set(trainable) | set(fixed) - set(state))
+            extra = sorted(set(state) - set(trainable) - set(fixed))
+            raise ValueError(f"client {index}'s state does not fit the model: missing {missing}, unexpected {extra}")
+    params = {n: torch.stack([s[n] for s in states]).to(device) for n in trainable}
+    buffers = {n: torch.stack([s[n] for s in states]).to(device) for n in fixed}
+    own = [u.tensors() for u in updates]
+    tensors = {n: torch.stack([t[n] for t in own]).to(device) for n in own[0]}
+    momentum_buf = {n: torch.zeros_like(p) for n, p in params.items()}  # m * 0 + g = g: torch's first step, exactly
+    dropouts = _Dropouts(arch, dropout_seeds, k)
+
+    corrects = type(objective).correct_gradient is not LocalUpdate.correct_gradient
+    objective_clip = objective.gradient_clip()
     max_norm = None if training.clip_grad_norm is None else float(training.clip_grad_norm)
+    step_index = 0
 
-    def one(p: dict[str, torch.Tensor], b: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return loss_fn(model, {**p, **b}, x, y)
+    def one(p: dict[str, torch.Tensor], b: dict[str, torch.Tensor], t: dict[str, torch.Tensor],
+            masks: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        dropouts.set(masks)
+        try:
+            loss, _ = objective.batch_loss(arch, {**p, **b}, t, x, y, step_index)
+        finally:
+            dropouts.set(None)
+        return loss
 
-    step = vmap(grad_and_value(one), in_dims=(0, 0, 0, 0), randomness="different")
+    step = vmap(grad_and_value(one), in_dims=(0, 0, 0, 0, 0, 0), randomness="error")
+    correct = vmap(objective.correct_gradient, in_dims=(0, 0)) if corrects else None
 
     streams = [local_batches(data, training, gen, device) for data, gen in zip(datas, generators)]
     totals = [0.0] * k
@@ -114,15 +245,21 @@ def train_stacked(
         for members in groups.values():
             whole = len(members) == k
             index = None if whole else torch.tensor(members, device=device)
-            p = params if whole else {n: t.index_select(0, index) for n, t in params.items()}
-            b = buffers if whole else {n: t.index_select(0, index) for n, t in buffers.items()}
+
+            def pick(stack: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+                return stack if whole else {n: t.index_select(0, index) for n, t in stack.items()}
+
+            p, b, t = pick(params), pick(buffers), pick(tensors)
             x = torch.stack([batches[c][0] for c in members])
             y = torch.stack([batches[c][1] for c in members])
-            grads, losses = step(p, b, x, y)  # b's BatchNorm statistics are updated in place
-            if max_norm is not None:  # clip_grad_norm_: one norm over all of a client's gradients
-                norms = torch.stack([g.flatten(1).norm(2, dim=1) for g in grads.values()], dim=1).norm(2, dim=1)
-                coef = (max_norm / (norms + 1e-6)).clamp(max=1.0)
-                grads = {n: g * coef.view(-1, *([1] * (g.dim() - 1))) for n, g in grads.items()}
+            masks = dropouts.masks(members, x, device)
+            grads, losses = step(p, b, t, masks, x, y)  # b's BatchNorm statistics are updated in place
+            if correct is not None:
+                grads = correct(grads, t)
+            if objective_clip is not None:
+                grads = _clip(grads, objective_clip)
+            if max_norm is not None:
+                grads = _clip(grads, max_norm)
             for n, g in grads.items():
                 if weight_decay:
                     g = g.add(p[n], alpha=weight_decay)
@@ -137,16 +274,148 @@ def train_stacked(
                 else:
                     params[n].index_copy_(0, index, p[n].sub_(g, alpha=lr))
             if not whole:
-                for n, t in b.items():
-                    buffers[n].index_copy_(0, index, t)
+                for n, tensor in b.items():
+                    buffers[n].index_copy_(0, index, tensor)
             for client, loss in zip(members, losses.tolist()):
                 n_rows = len(batches[client][1])
                 totals[client] += loss * n_rows
                 seen[client] += n_rows
                 steps[client] += 1
+        step_index += 1
     results = []
     for client, state in enumerate(states):
-        out = {n: params[n][client] for n in param_names}
-        out.update({n: buffers[n][client] for n in buffer_names})
+        out = {n: params[n][client] for n in trainable}
+        out.update({n: buffers[n][client] for n in fixed})
+        updates[client].finish_steps(steps[client], lr)
         results.append(ClientResult({key: out[key] for key in state}, totals[client] / max(seen[client], 1), steps[client]))
     return results, time.perf_counter() - start
+
+
+# =============================================================================== the engine's batch handler
+_log = logging.getLogger("flwr")
+#: Why a run's clients train one at a time, logged once per reason.
+_told: set[str] = set()
+#: The largest number of clients that fitted the device in one computation, by run config.
+_fitted: dict[str, int] = {}
+
+
+def _tell_once(reason: str) -> None:
+    if reason not in _told:
+        _told.add(reason)
+        _log.info("Vectorized rounds: %s; these clients train one at a time", reason)
+
+
+def _parameter_count(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def train_messages(messages: Sequence[Any], contexts: Sequence[Any]) -> list[Any] | None:
+    """The in-process engine's handler of a round's train messages (``simulation.vectorize``):
+    the replies (or, per message, the exception its ClientApp call would have raised), in
+    order, or None when these messages train one at a time (``vectorize: off``, one message,
+    an objective or model that does not vectorize, or, under ``auto``, a CPU and a model too
+    large to gain: see :data:`fedmm.config.CPU_VECTORIZE_MAX_PARAMETERS`). ``contexts``: each
+    message's node context (its ``state`` is written as the ClientApp would write it)."""
+    from fedmm import protocol
+    from fedmm.config import CPU_VECTORIZE_MAX_PARAMETERS, client_run, not_vectorized
+    from fedmm.evaluation import resolve_device
+
+    from client_app import work
+
+    texts = {protocol.run_config_text(m) for m in messages}
+    if len(texts) != 1 or len(messages) < 2:
+        return None
+    (text,) = texts
+    run = client_run(text)
+    mode = run.simulation.vectorize
+    if mode == "off":
+        return None
+    problem = not_vectorized(run)
+    model = work._model(run)
+    bad = unsupported_modules(model)
+    if problem is None and bad:
+        problem = f"model.name={run.model.name!r} has modules the stacked step cannot run: {', '.join(bad)}"
+    device = resolve_device(run.training.device)
+    if problem is not None:
+        if mode == "on":
+            raise ValueError(f"simulation.vectorize=on: {problem}")
+        _tell_once(problem)
+        return None
+    if mode == "auto" and device.type == "cpu" and _parameter_count(model) > CPU_VECTORIZE_MAX_PARAMETERS:
+        _tell_once(f"vectorize=auto on the CPU: model.name={run.model.name!r} has {_parameter_count(model):,} parameters, "
+                   f"more than {CPU_VECTORIZE_MAX_PARAMETERS:,} (set simulation.vectorize=on to train them together anyway)")
+        return None
+
+    if text not in _fitted:
+        _log.info("Vectorized rounds: the clients of %s (objective %s) train as one computation on %s",
+                  run.model.name, run.objective.name, device)
+    out: list[Any] = [None] * len(messages)
+    ready: list[int] = []
+    prepared: dict[int, tuple[LocalUpdate, TensorData, int, dict[str, torch.Tensor]]] = {}
+    server_round = protocol.server_round(messages[0])
+    for i, (msg, context) in enumerate(zip(messages, contexts)):
+        try:
+            with work.cuda_memory_advice(run, "local training"):
+                loaded = work.model_from_message(run, msg)
+                loaded.to(device).train()
+                repeat = int(msg.content[protocol.CONFIG].get(protocol.ROUND_REPEAT, 0))
+                update = work.build_local_update(run, context.state, msg.content)
+                update.node = int(context.node_config.get("partition-id", context.node_id % (2**31)))
+                data = work.local_data(run, context)
+                seed = work.seed_for(run, protocol.server_round(msg), context, repeat)
+                update.begin(loaded, protocol.server_round(msg))
+                start = {key: value.detach().clone() for key, value in loaded.state_dict().items()}
+            prepared[i] = (update, data, seed, start)
+            ready.append(i)
+        except Exception as err:  # noqa: BLE001 - this client's failure, as its ClientApp call would raise it
+            out[i] = err
+    rounds = {protocol.server_round(messages[i]) for i in ready}
+    if len(rounds) > 1:  # one round per computation (the learning rate is the round's)
+        raise ValueError(f"train messages of rounds {sorted(rounds)} in one batch")
+    chunk = max(1, min(len(ready), run.simulation.vectorize_clients or len(ready), _fitted.setdefault(text, len(ready))))
+    position = 0
+    while position < len(ready):
+        members = ready[position:position + chunk]
+        try:
+            with work.cuda_memory_advice(run, "vectorized local training") if chunk == 1 else contextlib.nullcontext():
+                results, seconds = train_stacked(
+                    model, [prepared[i][3] for i in members], [prepared[i][1] for i in members], run.training, server_round,
+                    [torch.Generator().manual_seed(prepared[i][2]) for i in members], device,
+                    [prepared[i][0] for i in members], [prepared[i][2] for i in members])
+        except torch.cuda.OutOfMemoryError:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            chunk = max(1, chunk // 2)
+            _fitted[text] = chunk
+            _log.warning("Vectorized rounds: CUDA out of memory with %d clients in one computation; %d from now on",
+                         len(members), chunk)
+            continue
+        except Exception as err:  # noqa: BLE001 - the computation's failure is each of its clients'
+            for i in members:
+                out[i] = err
+            position += len(members)
+            continue
+        for i, result in zip(members, results):
+            try:
+                out[i] = _reply(run, messages[i], model, prepared[i][0], prepared[i][1], result, seconds / len(members))
+            except Exception as err:  # noqa: BLE001 - e.g. an objective's end() refusing
+                out[i] = err
+        position += len(members)
+    return out
+
+
+def _reply(run: Any, msg: Any, model: nn.Module, update: LocalUpdate, data: TensorData, result: ClientResult, seconds: float) -> Any:
+    """The train reply the ClientApp would send for ``result`` (``work.train_reply``'s records)."""
+    from flwr.app import MetricRecord
+
+    from fedmm import protocol
+
+    from client_app import work
+
+    model.load_state_dict(result.state, strict=True)
+    extra = update.end(model)
+    metrics = {"train_loss": result.train_loss, protocol.NUM_EXAMPLES: float(len(data)), "train_time": seconds}
+    metrics.update(update.metrics())
+    records = {protocol.ARRAYS: work.model_record(model), protocol.METRICS: MetricRecord(metrics)}
+    records.update(extra)
+    return protocol.reply_message(msg, records)

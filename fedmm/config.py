@@ -125,6 +125,12 @@ def _ray_init_parameters() -> set[str] | None:
 ENGINES = ("local", "ray")
 #: Settings of the Ray engine only (another engine takes them at their declared defaults only).
 RAY_ONLY = ("client_cpus", "client_gpus", "ray_address", "ray_init_args")
+#: ``simulation.vectorize``: the in-process engine trains a round's clients as one computation.
+VECTORIZE = ("auto", "on", "off")
+#: ``vectorize: auto`` on the CPU: models up to this many parameters (measured on 2 cores,
+#: docs/performance.md section 8: lenet, 62 k, 2.1-2.8x at batch 10; cnn, 1.66 M, and resnet20,
+#: 0.27 M, slower than one client at a time at batch 50).
+CPU_VECTORIZE_MAX_PARAMETERS = 100_000
 
 
 @dataclass
@@ -136,7 +142,7 @@ class SimulationSettings(Settings):
     group = "simulation"
     option = "default"
     keyed = False
-    added = {"ray_address": None, "ray_init_args": {}, "engine": "ray"}
+    added = {"ray_address": None, "ray_init_args": {}, "engine": "ray", "vectorize": "off", "vectorize_clients": None}
     engine: str = setting("local", Choice(*ENGINES),
                           "local: the ServerApp and one ClientApp at a time in fedmm's process, no Ray "
                           "(fedmm/local_engine.py) | ray: Flower's simulation engine, ClientApps in Ray workers "
@@ -148,6 +154,14 @@ class SimulationSettings(Settings):
                                       "running Ray cluster (docs/ray_cluster.md)")
     ray_init_args: dict = setting({}, MapOf(AnyValue(), "a mapping of ray.init keyword arguments to values ({} for none)"),
                                   "ray engine: further ray.init keyword arguments (e.g. {namespace: fedmm})")
+    vectorize: str = setting("auto", Choice(*VECTORIZE),
+                             "local engine: train a round's clients as one computation (client_app/vectorized.py). "
+                             "auto: where the objective and model allow it and it is faster (on CUDA; on the CPU "
+                             f"models of at most {CPU_VECTORIZE_MAX_PARAMETERS:,} parameters), else one at a time | "
+                             "on: always (refuses an objective or model that does not allow it) | off: one at a time")
+    vectorize_clients: int | None = setting(None, Nullable(Int(min=1), "null (all of a round's) or an integer >= 1"),
+                                            "local engine, vectorize: at most this many clients in one computation "
+                                            "(null: all of the round's; halved while CUDA runs out of memory)")
 
     def check_values(self, prefix: str) -> None:
         """The Ray settings only with ``engine: ray``; ``ray_init_args``: ray.init keyword
@@ -161,6 +175,10 @@ class SimulationSettings(Settings):
                                       f"{unused!r} on the {self.engine} engine, which runs one ClientApp at a time in "
                                       f"fedmm's own process (on training.device, with all of the process's threads); "
                                       f"set {prefix}engine=ray to run ClientApps in Ray workers")
+        if self.engine != "local" and (self.vectorize == "on" or self.vectorize_clients is not None):
+            name = "vectorize" if self.vectorize == "on" else "vectorize_clients"
+            raise ConfigError(f"{prefix}{name}", getattr(self, name), f"{getattr(type(self)(), name)!r} on the "
+                              f"{self.engine} engine, which runs each ClientApp call on its own; set {prefix}engine=local")
         args, address = self.ray_init_args, self.ray_address
         for name in args:
             key = f"{prefix}ray_init_args.{name}"
@@ -179,6 +197,36 @@ class SimulationSettings(Settings):
                     near = difflib.get_close_matches(name, sorted(params), n=1)
                     hint = f"; did you mean {prefix}ray_init_args.{near[0]}?" if near else ""
                     raise ConfigError(f"{prefix}ray_init_args.{name}", args[name], f"a keyword argument of ray.init{hint}")
+
+    def check(self, run: Any) -> None:
+        """``vectorize: on`` only with an objective and a model that allow it."""
+        if self.vectorize == "on":
+            problem = not_vectorized(run)
+            if problem is not None:
+                raise ConfigError("simulation.vectorize", "on", f"auto or off: {problem}")
+
+
+def not_vectorized(run: Any) -> str | None:
+    """Why the run's clients cannot train as one computation (the objective, the model), or None."""
+    from fedmm.models import VECTORIZED_MODEL_NAMES
+
+    objective = run.objective
+    objective_class = getattr(type(objective), "objective_class", None)
+    if objective_class is None or not objective_class.vectorized:
+        return (f"objective.name={objective.name!r} trains one client at a time (its loss or optimizer step is its own; "
+                f"vectorized objectives: {', '.join(vectorized_objectives())})")
+    if run.model.name not in VECTORIZED_MODEL_NAMES:
+        return (f"model.name={run.model.name!r} trains one client at a time (vectorized models: "
+                f"{', '.join(VECTORIZED_MODEL_NAMES)})")
+    return None
+
+
+def vectorized_objectives() -> list[str]:
+    """The objectives whose clients can train as one computation."""
+    from fedmm.settings import discover
+
+    return sorted(name for name, declared in discover("objective").items()
+                  if getattr(declared, "objective_class", None) is not None and declared.objective_class.vectorized)
 
 
 @dataclass

@@ -56,12 +56,12 @@ import time
 import traceback
 import uuid
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from logging import DEBUG, ERROR, INFO
 from typing import Any
 
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MessageType, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.clientapp.client_app import ClientAppException
 from flwr.common.constant import MESSAGE_TTL_TOLERANCE, NUM_PARTITIONS_KEY, PARTITION_ID_KEY, SUPERLINK_NODE_ID, ErrorCode
@@ -80,6 +80,9 @@ MESSAGE_UNAVAILABLE_REASON = (
 REPLY_MESSAGE_UNAVAILABLE_REASON = "Error: Reply Message Unavailable - The reply message has expired."
 #: Flower's message type of the link state's own error replies.
 SYSTEM_MESSAGE_TYPE = "system"
+#: A ClientApp's handler of several train messages at once: (messages, their nodes' contexts) ->
+#: each one's reply or the exception its call would raise, or None for "one at a time".
+TrainBatch = Callable[[Sequence[Message], Sequence[Context]], "Sequence[Message | BaseException] | None"]
 
 
 # =============================================================================== records
@@ -277,10 +280,19 @@ class LocalGrid(Grid):
     reply (the strategies' pull loops then decode each reply as it comes, as on Flower's engine).
     A message the server no longer waits for (a timed-out phase's) is still delivered in its turn,
     as Flower's engine works through its queue whoever waits.
+
+    With ``train_batch`` (the ClientApp's handler of several train messages, e.g.
+    :func:`client_app.vectorized.train_messages`), the train messages queued one after another
+    are delivered together: ``train_batch(messages, contexts)`` returns each one's reply, or the
+    exception its ClientApp call would have raised (an error reply, as above), or None for "one
+    at a time" (then each goes through the ClientApp as usual). Each message is delivered as
+    one alone would be (its TTL, its own records, its node's context, kept only on success); the
+    handler is fedmm's own code, not the ClientApp's mods.
     """
 
     def __init__(self, client_app: ClientApp, num_supernodes: int, run: Run | None = None,
-                 run_config: Mapping[str, Any] | None = None, node_ids: list[int] | None = None) -> None:
+                 run_config: Mapping[str, Any] | None = None, node_ids: list[int] | None = None,
+                 train_batch: TrainBatch | None = None) -> None:
         if not isinstance(client_app, ClientApp):
             raise TypeError(f"client_app must be a flwr ClientApp, got {type(client_app).__name__}")
         if isinstance(num_supernodes, bool) or not isinstance(num_supernodes, int) or num_supernodes < 1:
@@ -312,6 +324,8 @@ class LocalGrid(Grid):
         #: The clients' side of the global random generators (see :class:`RandomStates`).
         self._client_random: RandomStates | None = None
         self.messages_handled = 0
+        #: The ClientApp's handler of several train messages at once (see the class docstring).
+        self.train_batch = train_batch
 
     # ------------------------------------------------------------------ Grid API
     def set_run(self, run: Run) -> None:
@@ -407,7 +421,59 @@ class LocalGrid(Grid):
                 e is not None and e.message is not None for e in entries)
 
         while self._queue and waiting():
-            self._deliver(self._queue.popleft())
+            head = self._queue.popleft()
+            if self.train_batch is not None and self._is_train(head) and self._queue and self._is_train(self._queue[0]):
+                batch = [head]
+                while self._queue and self._is_train(self._queue[0]):
+                    batch.append(self._queue.popleft())
+                self._deliver_together(batch)
+            else:
+                self._deliver(head)
+
+    def _is_train(self, message_id: str) -> bool:
+        pending = self._pending.get(message_id)
+        return (pending is not None and pending.message is not None and pending.message.has_content()
+                and pending.metadata.message_type == MessageType.TRAIN)
+
+    def _deliver_together(self, message_ids: list[str]) -> None:
+        """Deliver train messages through ``train_batch`` (see the class docstring)."""
+        taken: list[tuple[_Pending, Any, Message]] = []
+        for message_id in message_ids:
+            pending = self._pending.get(message_id)
+            if pending is None or pending.message is None:
+                continue
+            ins, pending.message = pending.message, None
+            if _expired(ins.metadata, time.time()):
+                continue
+            ins.metadata.delivered_at = now().isoformat()
+            # the handler is fedmm's, which never writes into a received array: no copy of the bytes
+            taken.append((pending, ins.metadata, _with_metadata(ins.metadata, detached(ins.content, copy_bytes=False))))
+            del ins
+        contexts = [self._node_context(metadata.dst_node_id) for _, metadata, _ in taken]
+        server_random = RandomStates.capture()
+        if self._client_random is not None:
+            self._client_random.restore()
+        try:
+            outs = self.train_batch([delivered for _, _, delivered in taken], contexts)
+        except Exception as err:  # noqa: BLE001 - the handler's failure: each node's error reply
+            outs = [err] * len(taken)
+        finally:
+            self._client_random = RandomStates.capture()
+            server_random.restore()
+        for index, (pending, metadata, delivered) in enumerate(taken):
+            if outs is None:  # one at a time, through the ClientApp, each with its own copy
+                try:
+                    reply = self._handle(metadata, _with_metadata(metadata, detached(delivered.content, copy_bytes=True)))
+                except Exception as err:  # noqa: BLE001 - the engine's own failure: the node's error reply
+                    reply = _error_reply(metadata, ErrorCode.UNKNOWN, raised_reason(err))
+            elif isinstance(outs[index], BaseException):
+                err = outs[index]
+                log(ERROR, "ClientApp of node %s raised %s: %s", metadata.dst_node_id, type(err).__name__, err)
+                reply = _error_reply(metadata, ErrorCode.CLIENT_APP_RAISED_EXCEPTION, raised_reason(err))
+            else:
+                reply = self._settle(metadata, contexts[index], outs[index])
+            self.messages_handled += 1
+            pending.reply = reply
 
     def _deliver(self, message_id: str) -> None:
         """Run the ClientApp on message ``message_id`` and keep its reply."""
@@ -429,14 +495,18 @@ class LocalGrid(Grid):
         self.messages_handled += 1
         pending.reply = reply
 
+    def _node_context(self, node_id: int) -> Context:
+        """A copy of node ``node_id``'s context for one ClientApp call (kept if the call succeeds)."""
+        stored = self._contexts[node_id]
+        return Context(run_id=stored.run_id, node_id=node_id, node_config=dict(stored.node_config),
+                       state=detached(stored.state, copy_bytes=False), run_config=dict(stored.run_config))
+
     def _handle(self, metadata: Any, delivered: Message) -> Message:
         """Run the ClientApp on ``delivered`` (the node's own copy of the message with
         ``metadata``) and on a copy of its node's context; the reply, or the error reply
         Flower's engine would make."""
         node_id = metadata.dst_node_id
-        stored = self._contexts[node_id]
-        context = Context(run_id=stored.run_id, node_id=node_id, node_config=dict(stored.node_config),
-                          state=detached(stored.state, copy_bytes=False), run_config=dict(stored.run_config))
+        context = self._node_context(node_id)
         server_random = RandomStates.capture()
         if self._client_random is not None:
             self._client_random.restore()
@@ -453,6 +523,13 @@ class LocalGrid(Grid):
             self._client_random = RandomStates.capture()
             server_random.restore()
         del delivered
+        return self._settle(metadata, context, out)
+
+    def _settle(self, metadata: Any, context: Context, out: Any) -> Message:
+        """The reply to the message with ``metadata`` from what its ClientApp call returned
+        (``out``) with ``context``: checked as Flower's engine checks it; the context becomes the
+        node's only when the call succeeded."""
+        node_id = metadata.dst_node_id
         if context.run_config != self._run_config:
             reason = (f"<class 'ValueError'>:<'The `run_config` field of the `Context` object cannot be modified "
                       f"(run_id: {context.run_id}).'>")
@@ -486,12 +563,13 @@ class LocalGrid(Grid):
 
 # =============================================================================== the runtime
 def run_local_simulation(server_app: ServerApp, client_app: ClientApp, num_supernodes: int,
-                         run_config: Mapping[str, Any] | None = None, node_ids: list[int] | None = None) -> Context:
+                         run_config: Mapping[str, Any] | None = None, node_ids: list[int] | None = None,
+                         train_batch: TrainBatch | None = None) -> Context:
     """Run ``server_app`` in this thread against ``num_supernodes`` virtual SuperNodes that run
     ``client_app`` in this process (the in-process counterpart of Flower's ``run_simulation``);
-    return the ServerApp's context. An exception of the ServerApp propagates. ``run_config`` and
-    ``node_ids``: as :class:`LocalGrid` takes them."""
-    grid = LocalGrid(client_app, num_supernodes, run_config=run_config, node_ids=node_ids)
+    return the ServerApp's context. An exception of the ServerApp propagates. ``run_config``,
+    ``node_ids`` and ``train_batch``: as :class:`LocalGrid` takes them."""
+    grid = LocalGrid(client_app, num_supernodes, run_config=run_config, node_ids=node_ids, train_batch=train_batch)
     run = grid.run
     context = Context(run_id=run.run_id, node_id=0, node_config={}, state=RecordDict(), run_config=dict(run_config or {}))
     saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)

@@ -158,6 +158,7 @@ def run_job(settings: Any) -> Path:
     from flwr.serverapp import Grid, ServerApp
 
     from client_app.client_app import app as client_app
+    from client_app.client_app import train_batch
     from fedmm.interrupt import reset
     from server_app.runner import run_experiment
 
@@ -186,7 +187,8 @@ def run_job(settings: Any) -> Path:
         from fedmm.local_engine import run_local_simulation
 
         try:
-            run_local_simulation(server_app=server_app, client_app=client_app, num_supernodes=cfg.simulation.num_supernodes)
+            run_local_simulation(server_app=server_app, client_app=client_app, num_supernodes=cfg.simulation.num_supernodes,
+                                 train_batch=None if cfg.simulation.vectorize == "off" else train_batch)
         except Exception as err:  # noqa: BLE001 - the ServerApp's error, kept in out["error"]
             out.setdefault("error", err)
     else:

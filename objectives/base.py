@@ -16,6 +16,13 @@ One instance serves one train message. Through it a method can
 - replace the optimizer step (:meth:`LocalUpdate.step`: two passes, gradient correction);
 - add records to the reply (:meth:`LocalUpdate.end`) and metrics (:meth:`LocalUpdate.metrics`).
 
+An objective whose batch loss is :meth:`LocalUpdate.batch_loss` (and whose gradient change, if
+any, is :meth:`LocalUpdate.correct_gradient`) declares ``vectorized = True``: the in-process
+engine then trains a round's clients of it as one computation (:mod:`client_app.vectorized`)
+through the same two methods, with each client's own tensors (:meth:`LocalUpdate.tensors`)
+stacked. The declaration is not inherited: an objective that overrides :meth:`loss` or
+:meth:`step` in its own way trains one client at a time unless it says otherwise.
+
 The training loop (:func:`client_app.training.train`) calls :meth:`begin` once with the model as
 received, :meth:`step` for every batch, and :meth:`end` after the last one.
 
@@ -33,6 +40,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
+from torch.func import functional_call
 from torch.nn import functional as F
 
 from fedmm.errors import ConfigError
@@ -92,11 +100,19 @@ class LocalUpdate:
     Settings: ClassVar[type[ObjectiveSettings]] = CESettings
     #: The node's identity across runs (its partition id in simulation; set by the ClientApp).
     node: int = 0
+    #: The round's clients of this objective can train as one computation: its loss is
+    #: :meth:`batch_loss` and its gradient change :meth:`correct_gradient`, reading the client's
+    #: own tensors from :meth:`tensors` only. Declared by each class itself, never inherited.
+    vectorized: ClassVar[bool] = True
+    #: Batches this round's loss has been computed on (the index of the next one).
+    batches_seen: int = 0
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if "Settings" in cls.__dict__:  # the declaration knows what it builds
             cls.Settings.objective_class = cls
+        if "vectorized" not in cls.__dict__:  # a subclass's own loss or step is not known to fit
+            cls.vectorized = False
 
     def __init__(self, run: RunSettings | Mapping[str, Any], state: RecordDict | None = None, content: RecordDict | None = None) -> None:
         #: The run's settings (every group; the strategy's as sent by the server).
@@ -115,18 +131,54 @@ class LocalUpdate:
         """Called once per round, before training, with the model as received."""
 
     def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(loss to minimise, logits) for one batch."""
-        logits = model(x)
-        return F.cross_entropy(logits, y), logits
+        """(loss to minimise, logits) for one batch: :meth:`batch_loss` with the model's own
+        weights and this client's :meth:`tensors`."""
+        if self.batches_seen == 0 or "_own_tensors" not in self.__dict__:
+            self._own_tensors = self.tensors()
+        index = self.batches_seen
+        self.batches_seen = index + 1
+        return self.batch_loss(model, None, self._own_tensors, x, y, index)
 
     def step(self, model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """One optimizer step on a batch; returns the batch loss. Override for two-pass steps
-        (SAM) or gradient corrections (SCAFFOLD)."""
+        (SAM); a gradient correction (SCAFFOLD) is :meth:`correct_gradient`."""
         optimizer.zero_grad(set_to_none=True)
         loss, _ = self.loss(model, x, y)
         loss.backward()
         optimizer.step()
         return loss
+
+    # ------------------------------------------------------------------ the loss, once for both paths
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """This client's own tensors that :meth:`batch_loss` and :meth:`correct_gradient` read
+        (set up by :meth:`begin`; e.g. FedProx's received weights), by name. When a round's
+        clients train together, each name is stacked across them."""
+        return {}
+
+    def batch_loss(self, model: nn.Module, weights: Mapping[str, torch.Tensor] | None, tensors: Mapping[str, torch.Tensor],
+                   x: torch.Tensor, y: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss to minimise, logits) of the client's batch number ``index`` (0 first, in the round).
+
+        ``weights``: None to run ``model`` with its own parameters and buffers, else one client's
+        (parameters and buffers by name: the clients trained together, ``model`` giving only the
+        architecture; use :func:`call`, :func:`call_layers`, :func:`parameters`). ``tensors``:
+        this client's :meth:`tensors`. Plain cross-entropy here."""
+        logits = call(model, weights, x)
+        return F.cross_entropy(logits, y), logits
+
+    def correct_gradient(self, grads: dict[str, torch.Tensor], tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The gradient the optimizer steps with, from the loss's ``grads`` (trainable parameters
+        by name; one client's); unchanged here."""
+        return grads
+
+    def gradient_clip(self) -> float | None:
+        """A norm this objective clips each client's (corrected) gradient to before the
+        optimizer step (before ``training.clip_grad_norm``); None: none."""
+        return None
+
+    def finish_steps(self, steps: int, lr: float) -> None:
+        """Told, when the clients trained together, how many optimizer steps this client took
+        and with what learning rate (the one-client loop's :meth:`step` sees them itself)."""
 
     def end(self, model: nn.Module) -> dict[str, Any]:
         """Extra records of the reply, by name (besides ``arrays`` and ``metrics``)."""
@@ -239,6 +291,41 @@ def frozen(model: nn.Module) -> nn.Module:
         p.requires_grad_(False)
     return model
 
+
+
+def call(model: nn.Module, weights: Mapping[str, torch.Tensor] | None, x: torch.Tensor) -> torch.Tensor:
+    """``model``'s output for ``x``, with its own weights (None) or with ``weights``."""
+    return model(x) if weights is None else functional_call(model, dict(weights), (x,))
+
+
+def call_layers(model: nn.Module, weights: Mapping[str, torch.Tensor] | None, x: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A :class:`~fedmm.models.LayeredModel`'s (logits, output of its first ``m`` blocks) in one
+    pass, with its own weights (None) or with ``weights``."""
+    h, kept = x, x
+    for depth, layer in enumerate(model.layers, start=1):
+        h = layer(h) if weights is None else functional_call(layer, within(weights, f"layers.{depth - 1}."), (h,))
+        if depth == m:
+            kept = h
+    return h, kept
+
+
+def call_prefix(model: nn.Module, weights: Mapping[str, torch.Tensor], x: torch.Tensor, m: int) -> torch.Tensor:
+    """The output of the first ``m`` blocks of a LayeredModel run with ``weights``."""
+    for depth in range(m):
+        x = functional_call(model.layers[depth], within(weights, f"layers.{depth}."), (x,))
+    return x
+
+
+def within(tensors: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """The entries of ``tensors`` under ``prefix``, by the rest of their names."""
+    return {key[len(prefix):]: value for key, value in tensors.items() if key.startswith(prefix)}
+
+
+def parameters(model: nn.Module, weights: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """The parameters of ``model`` by name: its own (``weights`` None) or those in ``weights``."""
+    if weights is None:
+        return dict(model.named_parameters())
+    return {name: weights[name] for name, _ in model.named_parameters()}
 
 
 def require_strategy(params: Settings, run: Any, strategy: str, method: str) -> None:

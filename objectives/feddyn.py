@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from objectives.base import LocalUpdate, ObjectiveSettings, require_strategy
+from objectives.base import LocalUpdate, ObjectiveSettings, parameters, require_strategy
 
 #: ``Context.state`` ArrayRecord: this client's linear term g_k (one array per trainable parameter).
 GRADIENT_STATE = "feddyn-gradient"
@@ -48,6 +48,7 @@ class FedDynClient(LocalUpdate):
     """FedDyn's local objective (see the module docstring)."""
 
     Settings = FedDynClientSettings
+    vectorized = True
 
     def begin(self, model: nn.Module, server_round: int) -> None:
         """Keep θ; load g_k (zeros the first time)."""
@@ -60,21 +61,26 @@ class FedDynClient(LocalUpdate):
         if GRADIENT_STATE in self.state:
             g = protocol.record_to_model(self.state[GRADIENT_STATE])
         else:
-            g = {n: np.zeros(tuple(p.shape), dtype=np.float32) for n, p in named}
+            g = {n: torch.zeros_like(p, device="cpu").numpy() for n, p in named}
             if server_round > 1:
                 logging.getLogger("flwr").info("FedDyn: no linear term in this node's state at round %d (its first "
                                                "participation, or the SuperNode restarted and lost it)", server_round)
         device = named[0][1].device if named else torch.device("cpu")
         self.g = {n: torch.from_numpy(np.array(g[n])).to(device) for n, _ in named}
 
-    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        ce, logits = super().loss(model, x, y)
-        linear = torch.zeros((), device=logits.device)
-        prox = torch.zeros((), device=logits.device)
-        for name, p in model.named_parameters():
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """g_k (``g.<name>``) and θ (``server.<name>``)."""
+        return {**{f"g.{n}": v for n, v in self.g.items()}, **{f"server.{n}": v for n, v in self.server.items()}}
+
+    def batch_loss(self, model: nn.Module, weights: Mapping[str, torch.Tensor] | None, tensors: Mapping[str, torch.Tensor],
+                   x: torch.Tensor, y: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ce, logits = super().batch_loss(model, weights, tensors, x, y, index)
+        linear = torch.zeros((), device=logits.device, dtype=logits.dtype)
+        prox = torch.zeros((), device=logits.device, dtype=logits.dtype)
+        for name, p in parameters(model, weights).items():
             if name in self.g:
-                linear = linear + (self.g[name] * p).sum()
-                prox = prox + ((p - self.server[name]) ** 2).sum()
+                linear = linear + (tensors[f"g.{name}"] * p).sum()
+                prox = prox + ((p - tensors[f"server.{name}"]) ** 2).sum()
         return ce - linear + 0.5 * self.alpha * prox, logits
 
     def end(self, model: nn.Module) -> dict[str, Any]:

@@ -7,7 +7,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from objectives.base import LocalUpdate, ObjectiveSettings, mu_settings
+from collections.abc import Mapping
+
+from objectives.base import LocalUpdate, ObjectiveSettings, mu_settings, parameters
 
 
 @dataclass
@@ -27,15 +29,23 @@ class FedProx(LocalUpdate):
     """CE + (μ/2)·‖w − w_global‖² over all trainable parameters (Li et al. 2020, Eq. 2)."""
 
     Settings = FedProxSettings
+    vectorized = True
 
     def begin(self, model: nn.Module, server_round: int) -> None:
         """Keep a detached copy of the received parameters."""
+        self.names = [name for name, _ in model.named_parameters()]
         self.global_params = [p.detach().clone() for p in model.parameters()]
         self._mu = self.mu()
 
-    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        ce, logits = super().loss(model, x, y)
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The received parameters (``anchor.<name>``)."""
+        return {f"anchor.{name}": value for name, value in zip(self.names, self.global_params)}
+
+    def batch_loss(self, model: nn.Module, weights: Mapping[str, torch.Tensor] | None, tensors: Mapping[str, torch.Tensor],
+                   x: torch.Tensor, y: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ce, logits = super().batch_loss(model, weights, tensors, x, y, index)
         if self._mu == 0.0:
             return ce, logits
-        prox = sum(((p - g) ** 2).sum() for p, g in zip(model.parameters(), self.global_params))
+        current = parameters(model, weights)
+        prox = sum(((current[name] - tensors[f"anchor.{name}"]) ** 2).sum() for name in self.names)
         return ce + 0.5 * self._mu * prox, logits

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -10,7 +11,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fedmm.settings import Choice, setting
-from objectives.base import LocalUpdate, ObjectiveSettings, frozen, mu_settings
+from objectives.base import LocalUpdate, ObjectiveSettings, call_layers, call_prefix, frozen, mu_settings, within
 
 
 @dataclass
@@ -40,6 +41,7 @@ class FedRL(LocalUpdate):
     """
 
     Settings = FedRLSettings
+    vectorized = True
 
     def begin(self, model: nn.Module, server_round: int) -> None:
         """Freeze a copy of the received model; reset the review depth."""
@@ -49,26 +51,25 @@ class FedRL(LocalUpdate):
         self.batches_seen = 0
         self._mu = self.mu()
 
-    def review_depth(self) -> int:
-        """m for the next batch, in 1..M."""
+    def review_depth(self, index: int | None = None) -> int:
+        """m for batch number ``index`` of the round (default: the next one), in 1..M."""
         if self.params.advance == "round":
             return (self.server_round - 1) % self.num_layers + 1
-        return self.batches_seen % self.num_layers + 1
+        return (self.batches_seen if index is None else index) % self.num_layers + 1
 
-    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        m = self.review_depth()
-        self.batches_seen += 1
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The received model's parameters and buffers (``reference.<name>``), run frozen in eval mode."""
+        return {f"reference.{name}": value for name, value in self.reference.state_dict().items()}
+
+    def batch_loss(self, model: nn.Module, weights: Mapping[str, torch.Tensor] | None, tensors: Mapping[str, torch.Tensor],
+                   x: torch.Tensor, y: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        m = self.review_depth(index)
         # one pass through the local model gives both kr_{i,m} and the logits
-        h, kr_local = x, None
-        for depth, layer in enumerate(model.layers, start=1):
-            h = layer(h)
-            if depth == m:
-                kr_local = h
-        logits = h
+        logits, kr_local = call_layers(model, weights, x, m)
         ce = F.cross_entropy(logits, y)
         if self._mu == 0.0:
             return ce, logits
         with torch.no_grad():
-            kr_global = self.reference.forward_prefix(x, m)
+            kr_global = call_prefix(self.reference, within(tensors, "reference."), x, m)
         review = torch.linalg.vector_norm(kr_global - kr_local)
         return ce + 0.5 * self._mu * review, logits

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +68,7 @@ class Scaffold(LocalUpdate):
     """
 
     Settings = ScaffoldClientSettings
+    vectorized = True
 
     def optimizer_args(self, training: TrainingSettings, lr: float) -> dict[str, float]:
         """SGD with SCAFFOLD's own ``momentum``."""
@@ -99,28 +101,43 @@ class Scaffold(LocalUpdate):
         device = next(model.parameters()).device
         self.c = {n: torch.from_numpy(np.array(v)).to(device) for n, v in c.items()}
         self.ci = {n: torch.from_numpy(np.array(v)).to(device) for n, v in ci.items()}
-        self.correction = [self.c[n] / weight - self.ci[n] for n in self.names]
+        self.correction = {n: self.c[n] / weight - self.ci[n] for n in self.names}
         self.x = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
         self.age = age
         self.steps, self.lr_used = 0, None
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The gradient correction c/w_i − c_i (``correction.<name>``)."""
+        return {f"correction.{n}": value for n, value in self.correction.items()}
+
+    def correct_gradient(self, grads: dict[str, torch.Tensor], tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """g − c_i + c/w_i."""
+        return {n: g + tensors[f"correction.{n}"] for n, g in grads.items()}
+
+    def gradient_clip(self) -> float | None:
+        """``clip_norm``, on the corrected gradient."""
+        return float(self.params.clip_norm) if self.params.clip_norm else None
 
     def step(self, model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """One SGD step on the corrected gradient."""
         optimizer.zero_grad(set_to_none=True)
         loss, _ = self.loss(model, x, y)
         loss.backward()
-        params = [p for p in model.parameters() if p.requires_grad]
-        for p, corr in zip(params, self.correction):
-            if p.grad is None:
-                p.grad = corr.clone()
-            else:
-                p.grad.add_(corr)
-        if self.params.clip_norm:
-            torch.nn.utils.clip_grad_norm_(params, float(self.params.clip_norm))
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        grads = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in named}
+        corrected = self.correct_gradient(grads, self._own_tensors)
+        for n, p in named:
+            p.grad = corrected[n]
+        clip = self.gradient_clip()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_([p for _, p in named], clip)
         optimizer.step()
-        self.steps += 1
-        self.lr_used = float(optimizer.param_groups[0]["lr"])
+        self.finish_steps(self.steps + 1, float(optimizer.param_groups[0]["lr"]))
         return loss
+
+    def finish_steps(self, steps: int, lr: float) -> None:
+        """The steps taken and the round's lr, for c_i⁺."""
+        self.steps, self.lr_used = steps, lr
 
     def end(self, model: nn.Module) -> dict[str, Any]:
         """c_i⁺ into the node's state, Δc_i into the reply."""

@@ -41,7 +41,7 @@ def test_the_dry_run_on_the_cpu_runs_every_step(tmp_path: Path) -> None:
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=500)
     record = json.loads((out / "gpu_session.json").read_text())
     assert done.returncode == 0, json.dumps(record["steps"], indent=1)[-4000:] + done.stderr[-2000:]
-    assert [s["step"] for s in record["steps"]] == ["imports", "cuda_tests", "e2e", "throughput"]
+    assert [s["step"] for s in record["steps"]] == ["imports", "cuda_tests", "e2e", "throughput", "vectorized", "cifar_round"]
     assert all(s["status"] == "ok" for s in record["steps"])
     assert record["machine"]["device"] == "cpu" and record["wheels_installed"] is False  # flwr is importable here
     # the CUDA tests ran, each skipped for want of a device
@@ -49,10 +49,16 @@ def test_the_dry_run_on_the_cpu_runs_every_step(tmp_path: Path) -> None:
     assert int(suite.get("tests")) >= 3 and int(suite.get("skipped")) == int(suite.get("tests"))
     e2e = json.loads((out / "e2e.json").read_text())
     runners = {row["runner"]: row for row in e2e["rows"]}
-    assert set(runners) == {"this app, in-process", "plain loop"}
-    local = runners["this app, in-process"]
-    # the same training as the plain loop (which runs on every core; the suite's processes on one thread)
-    assert abs(local["delta_accuracy"]) <= 0.005 and local["max_weight_diff"] < 1e-3
+    assert set(runners) == {"this app, in-process", "this app, in-process, vectorized", "plain loop"}
+    for local in (runners["this app, in-process"], runners["this app, in-process, vectorized"]):
+        # the same training as the plain loop (which runs on every core; the suite's processes on one thread)
+        assert abs(local["delta_accuracy"]) <= 0.005 and local["max_weight_diff"] < 1e-3
+    for name in ("vectorized_throughput", "cifar_round"):
+        rows = json.loads((out / f"{name}.json").read_text())["rows"]
+        assert rows and all(r["max_weight_diff"] < 1e-3 and r["speedup"] > 0 for r in rows)
+    cifar = json.loads((out / "cifar_round.json").read_text())["rows"]
+    assert {r["model"] for r in cifar} == {"lenet", "resnet20"} and all(r["input_shape"] == [3, 32, 32] for r in cifar)
+    assert all(r["vectorized_projected_min"] == r["vectorized_s"] * 2000 / 60 for r in cifar)
     for row in e2e["rows"]:  # the whole process, spawn to exit, cut into phases that add up to it
         for p in row["phases_runs"]:
             parts = (p["imports"] + p["to_server_main"] + p["server_setup"] + p["round_1"] + p["rounds_2_to_last"]

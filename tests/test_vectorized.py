@@ -1,31 +1,38 @@
 """K clients trained as one computation (client_app/vectorized.py) against the sequential loop
-(client_app/training.py): each client's final parameters and buffers, and its mean training loss,
-equal the loop's within 1e-5 relative on the CPU, for every model and with ragged clients (a
-short last batch, a client with fewer rows than a batch, clients that finish early), momentum,
-weight decay, the round's lr decay and gradient clipping.
+(client_app/training.py): for every vectorized (model, objective) pair, each client's final
+parameters and buffers, its mean training loss and its objective's reply records equal the
+loop's within 1e-5 relative on the CPU, with ragged clients (a short last batch, a client with
+fewer rows than a batch, clients that finish early), momentum, weight decay, the round's lr decay,
+gradient clipping, BatchNorm statistics and dropout.
 
-`resnet20` is compared in float64: in float32 its BatchNorm layers amplify the rounding of the
-convolution's algorithm (the sequential loop against itself with oneDNN's convolution switched off
-moves the first convolution's weights by 7e-5 after one step of 16 rows), so float32 cannot tell
-a wrong computation from another order of summation; in float64 the rounding is far below 1e-5."""
+`resnet20` and `vgg16` are compared in float64 (model and inputs): in float32 their BatchNorm
+layers amplify the rounding of the convolution's algorithm (the sequential loop against itself
+with oneDNN's convolution switched off moves resnet20's first convolution by 7e-5 after one step
+of 16 rows), so float32 cannot tell a wrong computation from another order of summation; in
+float64 the rounding is far below 1e-5."""
 
 from __future__ import annotations
 
+import copy
+import functools
 import importlib.util
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from client_app.training import train_epochs
 from client_app.vectorized import train_stacked
+from fedmm.data import TensorData
 from fedmm.data.spec import InputSpec
+from fedmm.data.tensors import Identity
 from fedmm.models import build_model
 from fedmm.training import TrainingSettings
 from objectives.base import build_local_update
+from tests.conftest import composed
 
 CPU = torch.device("cpu")
-
 
 # The clients' data and starting weights are the bench's (bench/vectorized_throughput.py).
 _spec = importlib.util.spec_from_file_location("vectorized_throughput",
@@ -37,84 +44,174 @@ client_data, starting_states = _bench.client_data, _bench.starting_states
 #: Rows of each client: two full batches and a short one; fewer rows than a batch; one batch
 #: exactly; three full batches (clients finish at different steps).
 SIZES = [37, 9, 16, 48]
-
-
-def sequential(model_name: str, states, datas, training: TrainingSettings, server_round: int, seeds: list[int]):
-    """Each client trained alone by the ClientApp's loop, with the plain objective."""
-    from fedmm.config import compose
-
-    out = []
-    for state, data, seed in zip(states, datas, seeds):
-        client = make_model(model_name)
-        client.load_state_dict(state)
-        loss, _ = train_epochs(client, data, build_local_update(compose([])), training, server_round,
-                               torch.Generator().manual_seed(seed), CPU)
-        out.append(({n: v.detach().clone() for n, v in client.state_dict().items()}, loss))
-    return out
-
+#: vgg16 (33.6 M parameters, float64): a short batch and clients that finish at different steps.
+VGG_SIZES = [5, 2]
 
 MNIST = InputSpec(kind="image", num_classes=10, shape=(1, 28, 28))
 CIFAR = InputSpec(kind="image", num_classes=10, shape=(3, 32, 32))
-MODELS_ARGS = {"lenet": ("lenet", MNIST), "cnn": ("cnn", MNIST), "resnet20": ("resnet20", CIFAR)}
+SPECS = {"lenet": MNIST, "cnn": MNIST, "resnet20": CIFAR, "vgg16": CIFAR}
+#: Compared in float64 (see the module's docstring).
+IN_FLOAT64 = {"resnet20", "vgg16"}
 TRAINING = TrainingSettings().replace(local_epochs=2, batch_size=16, lr=0.05, momentum=0.5, weight_decay=1e-3,
                                       lr_round_decay=0.99, clip_grad_norm=2.0)
+VGG_TRAINING = TRAINING.replace(local_epochs=1, batch_size=4)
+
+#: The run of each objective (its settings and strategy), with terms large enough to matter.
+OBJECTIVES = {
+    "ce": (),
+    "fedprox": ("objective=fedprox", "objective.mu=0.5"),
+    "fedrl": ("objective=fedrl", "objective.mu=1.0"),
+    "scaffold": ("strategy=scaffold", "objective.momentum=0.3", "objective.clip_norm=1.0"),
+    "feddyn": ("strategy=feddyn",),
+}
+ROUND = 3
 
 
-class Float64(torch.nn.Module):
-    """A model computing in float64 (its input cast), for both paths alike."""
+def datas_for(model_name: str, sizes: list[int]) -> list[TensorData]:
+    spec = SPECS[model_name]
+    datas = [client_data(n, 10 + i, spec.shape) for i, n in enumerate(sizes)]
+    if model_name in IN_FLOAT64:  # the same rows, normalized once, as float64 model inputs
+        datas = [TensorData(x=d.transform.prepare(CPU)(d.x).double(), y=d.y, transform=Identity()) for d in datas]
+    return datas
 
-    def __init__(self, inner: torch.nn.Module) -> None:
-        super().__init__()
-        self.inner = inner.double()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.inner(x.double())
+@functools.lru_cache(maxsize=1)
+def _built(model_name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = build_model(model_name, SPECS[model_name])
+    return model.double() if model_name in IN_FLOAT64 else model
 
 
 def make_model(model_name: str) -> torch.nn.Module:
-    model = build_model(*MODELS_ARGS[model_name])
-    return Float64(model) if model_name in IN_FLOAT64 else model
+    """The model, initialised once per test file (vgg16's 33.6 M parameters take a while); a copy each call."""
+    return copy.deepcopy(_built(model_name))
 
 
-#: Compared in float64 (see the module's docstring).
-IN_FLOAT64 = {"resnet20"}
+def node_records(objective: str, model: torch.nn.Module, client: int):
+    """The train message's records and the node's state of one client (SCAFFOLD's c and c_i,
+    FedDyn's g_k: seeded, non-zero)."""
+    from flwr.app import MetricRecord, RecordDict
+
+    from fedmm import protocol
+    from objectives import feddyn, scaffold
+
+    content, state = RecordDict(), RecordDict()
+    gen = np.random.default_rng(100 + client)
+    trainable = {n: p.detach().numpy() for n, p in model.named_parameters()}
+
+    def noise(scale: float) -> dict[str, np.ndarray]:
+        return {n: (scale * gen.standard_normal(v.shape)).astype(v.dtype) for n, v in trainable.items()}
+
+    if objective == "scaffold":
+        content[scaffold.CONTROL] = protocol.model_to_record(noise(0.05))
+        state[scaffold.CONTROL_STATE] = protocol.model_to_record(noise(0.05))
+        state[scaffold.CONTROL_AGE_STATE] = MetricRecord({"rounds": 2})
+    if objective == "feddyn":
+        state[feddyn.GRADIENT_STATE] = protocol.model_to_record(noise(0.01))
+    return content, state
 
 
-def assert_same(model_name: str, training: TrainingSettings, seeds: list[int], vector_seeds: list[int] | None = None) -> None:
-    spec = MODELS_ARGS[model_name][1]
-    torch.manual_seed(0)
+def objectives_for(objective: str, model_name: str, states) -> list:
+    """Each client's objective, begun on its received model (as the ClientApp begins it)."""
+    from flwr.app import RecordDict
+
+    run = composed(*OBJECTIVES[objective])
+    held = make_model(model_name)
+    updates = []
+    for client, start in enumerate(states):
+        held.load_state_dict(start)
+        content, records = node_records(objective, held, client)
+        state = RecordDict()
+        update = build_local_update(run, state, content)
+        update.own_state()  # the node's state belongs to this run
+        for key, record in records.items():
+            state[key] = record
+        update.begin(held, ROUND)
+        updates.append(update)
+    return updates
+
+
+def reply_records(update, model: torch.nn.Module) -> dict[str, np.ndarray]:
+    from fedmm import protocol
+
+    out = {}
+    for name, record in update.end(model).items():
+        out.update({f"{name}/{k}": np.array(v) for k, v in protocol.record_to_model(record).items()})
+    out.update({f"metric/{k}": np.array(v) for k, v in update.metrics().items()})
+    return out
+
+
+def assert_pair(model_name: str, objective: str, training: TrainingSettings = TRAINING, sizes: list[int] = SIZES,
+                vector_seeds: list[int] | None = None) -> None:
+    seeds = [1 + i for i in range(len(sizes))]
     model = make_model(model_name)
-    states = starting_states(model, len(SIZES))
-    datas = [client_data(n, 10 + i, spec.shape) for i, n in enumerate(SIZES)]
-    want = sequential(model_name, states, datas, training, 3, seeds)
-    got, _ = train_stacked(model, states, datas, training, 3,
-                           [torch.Generator().manual_seed(s) for s in (vector_seeds or seeds)], CPU)
-    for client, ((state, loss), result) in enumerate(zip(want, got)):
+    states = starting_states(model, len(sizes))
+    datas = datas_for(model_name, sizes)
+    # the sequential loop, one client after another (the ClientApp's path)
+    want = []
+    for update, state, data, seed in zip(objectives_for(objective, model_name, states), states, datas, seeds):
+        client = make_model(model_name)
+        client.load_state_dict(state)
+        torch.manual_seed(seed)  # dropout draws from the global generator
+        loss, _ = train_epochs(client, data, update, training, ROUND, torch.Generator().manual_seed(seed), CPU)
+        want.append(({n: v.detach().clone() for n, v in client.state_dict().items()}, loss, reply_records(update, client)))
+    # all clients as one computation
+    updates = objectives_for(objective, model_name, states)
+    vector_seeds = vector_seeds or seeds
+    got, _ = train_stacked(model, states, datas, training, ROUND, [torch.Generator().manual_seed(s) for s in vector_seeds],
+                           CPU, updates, dropout_seeds=vector_seeds)
+    held = make_model(model_name)
+    for client, ((state, loss, records), result, update) in enumerate(zip(want, got, updates)):
         assert set(result.state) == set(state)
         for key, value in state.items():
             torch.testing.assert_close(result.state[key], value, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"client {client} ({SIZES[client]} rows), {key}: {m}")
+                                       msg=lambda m: f"client {client} ({sizes[client]} rows), {key}: {m}")
         assert result.train_loss == pytest.approx(loss, rel=1e-5), client
+        held.load_state_dict(result.state)
+        mine = reply_records(update, held)
+        assert set(mine) == set(records)
+        for key, value in records.items():
+            np.testing.assert_allclose(mine[key], value, rtol=1e-5, atol=1e-6, err_msg=f"client {client}, {key}")
 
 
+@pytest.mark.parametrize("objective", list(OBJECTIVES))
 @pytest.mark.parametrize("model_name", ["lenet", "cnn", "resnet20"])
-def test_each_client_ends_where_the_sequential_loop_ends(model_name: str) -> None:
-    assert_same(model_name, TRAINING, [1, 2, 3, 4])
+def test_each_client_ends_where_the_sequential_loop_ends(model_name: str, objective: str) -> None:
+    assert_pair(model_name, objective)
+
+
+@pytest.mark.parametrize("objective", list(OBJECTIVES))
+def test_vgg16_with_dropout_ends_where_the_sequential_loop_ends(objective: str) -> None:
+    assert_pair("vgg16", objective, VGG_TRAINING, VGG_SIZES)
 
 
 def test_plain_sgd_and_local_steps() -> None:
-    assert_same("lenet", TrainingSettings().replace(local_epochs=1, local_steps=3, batch_size=16, momentum=0.0), [5, 6, 7, 8])
+    assert_pair("lenet", "ce", TrainingSettings().replace(local_epochs=1, local_steps=3, batch_size=16, momentum=0.0))
 
 
 def test_a_wrong_data_order_is_caught() -> None:
     """The comparison can fail: the clients' generators swapped (each draws another's order)."""
     with pytest.raises(AssertionError):
-        assert_same("lenet", TRAINING, [1, 2, 3, 4], vector_seeds=[2, 1, 3, 4])
+        assert_pair("lenet", "ce", vector_seeds=[2, 1, 3, 4])
+
+
+def test_wrong_dropout_masks_are_caught() -> None:
+    """vgg16's dropout masks drawn with the wrong clients' seeds: the comparison fails."""
+    with pytest.raises(AssertionError):
+        assert_pair("vgg16", "ce", VGG_TRAINING, VGG_SIZES, vector_seeds=[2, 1])
 
 
 def test_a_state_that_does_not_fit_the_model_is_refused() -> None:
     model = build_model("lenet", MNIST)
     state = dict(model.state_dict())
     state.pop(next(iter(state)))
+    update = build_local_update(composed())
     with pytest.raises(ValueError, match="client 0's state does not fit the model: missing"):
-        train_stacked(model, [state], [client_data(8, 0, (1, 28, 28))], TRAINING, 1, [torch.Generator()], CPU)
+        train_stacked(model, [state], [client_data(8, 0, (1, 28, 28))], TRAINING, 1, [torch.Generator()], CPU, [update])
+
+
+def test_an_objective_with_its_own_step_is_refused() -> None:
+    model = build_model("lenet", MNIST)
+    update = build_local_update(composed("objective=asam"))
+    with pytest.raises(ValueError, match="clients of one vectorized objective"):
+        train_stacked(model, [model.state_dict()], [client_data(8, 0, (1, 28, 28))], TRAINING, 1, [torch.Generator()], CPU, [update])

@@ -30,7 +30,7 @@ from fedmm.models.text import build_char_lstm, build_sent_lstm
 from fedmm.models.resnet import PreActBottleneck, _build_resnet20, _build_resnet20_preact
 from fedmm.models.vgg import _build_vgg16
 
-__all__ = ["IMAGE_MODEL_NAMES", "MODEL_NAMES", "TOKEN_MODEL_NAMES", "LayeredModel", "PreActBottleneck", "build_model", "model_for", "with_projection_head"]
+__all__ = ["IMAGE_MODEL_NAMES", "MODEL_NAMES", "TOKEN_MODEL_NAMES", "VECTORIZED_MODEL_NAMES", "LayeredModel", "PreActBottleneck", "build_model", "model_for", "with_projection_head"]
 
 #: name -> (builder(in_channels, num_classes, image_size), input kinds it accepts)
 _BUILDERS: dict[str, tuple[Callable[[int, int, int], LayeredModel], tuple[str, ...]]] = {
@@ -50,6 +50,10 @@ _OPTIONS: dict[str, tuple[str, ...]] = {"sent_lstm": ("embedding_dim",)}
 IMAGE_MODEL_NAMES: tuple[str, ...] = tuple(_BUILDERS)
 TOKEN_MODEL_NAMES: tuple[str, ...] = tuple(_TOKEN_BUILDERS)
 MODEL_NAMES: tuple[str, ...] = IMAGE_MODEL_NAMES + TOKEN_MODEL_NAMES
+#: Models whose clients can train as one computation (client_app/vectorized.py): the image
+#: models (convolutions, BatchNorm, pooling, linear layers, dropout). The text models' ``nn.LSTM``
+#: has no batching rule under ``torch.func.vmap``; their clients train one at a time.
+VECTORIZED_MODEL_NAMES: tuple[str, ...] = IMAGE_MODEL_NAMES
 
 
 def _check_positive(key: str, value: object) -> int:

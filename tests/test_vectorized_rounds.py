@@ -1,0 +1,223 @@
+"""Vectorized rounds on the in-process engine (``simulation.vectorize``): the grid hands the round's
+queued train messages to the ClientApp's batch handler with Flower's per-message semantics; whole
+FedMR and FedCross runs trained as one computation per round give the sequential runs' numbers
+within the same-results tolerance; what does not vectorize is named once and trains one at a
+time, or is refused with ``vectorize: on``; clients are chunked (by setting, and when CUDA runs out
+of memory) and one client's failure stays its own."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.common.constant import ErrorCode
+from flwr.serverapp import Grid, ServerApp
+
+import client_app.vectorized as vectorized
+from fedmm.errors import ConfigError
+from fedmm.local_engine import run_local_simulation
+from fedmm.results import read_metrics
+from tests.conftest import composed
+from tests.test_same_results import assert_same_results
+
+#: A FedMR / FedCross run small enough for a test: lenet (vectorized under auto on the CPU).
+SMALL = ("model=lenet", "num_rounds=2", "num_clients=6", "clients_per_round=3", "training.local_epochs=1", "seed=3")
+
+
+# ------------------------------------------------------------------ the grid's side
+def counting_app() -> ClientApp:
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        n = int(context.state.config_records.get("count", ConfigRecord({"n": 0}))["n"]) + 1
+        context.state["count"] = ConfigRecord({"n": n})
+        return Message(RecordDict({"m": MetricRecord({"n": n, "alone": 1})}), reply_to=msg)
+
+    @app.query()
+    def query(msg: Message, context: Context) -> Message:
+        return Message(RecordDict({"m": MetricRecord({"query": 1})}), reply_to=msg)
+
+    return app
+
+
+def serve(main: Any, train_batch: Any, nodes: int = 4) -> Any:
+    out: dict[str, Any] = {}
+    server = ServerApp()
+
+    @server.main()
+    def _main(grid: Grid, context: Context) -> None:
+        out["result"] = main(grid)
+
+    run_local_simulation(server_app=server, client_app=counting_app(), num_supernodes=nodes, train_batch=train_batch)
+    return out["result"]
+
+
+def test_the_grid_hands_queued_train_messages_over_together_with_flowers_semantics() -> None:
+    calls: list[int] = []
+
+    def train_batch(messages: list[Message], contexts: list[Context]) -> list[Any] | None:
+        calls.append(len(messages))
+        if len(calls) == 2:
+            return None  # "one at a time": each goes through the ClientApp
+        out: list[Any] = []
+        for index, (msg, context) in enumerate(zip(messages, contexts)):
+            n = int(context.state.config_records.get("count", ConfigRecord({"n": 0}))["n"]) + 1
+            context.state["count"] = ConfigRecord({"n": n})
+            if index == 1 and len(calls) == 1:
+                out.append(ValueError("this client's data is broken"))
+            else:
+                out.append(Message(RecordDict({"m": MetricRecord({"n": n, "together": 1})}), reply_to=msg))
+        return out
+
+    def main(grid: Grid) -> Any:
+        nodes = list(grid.get_node_ids())
+        rounds = []
+        for _ in range(3):
+            msgs = [Message(RecordDict({"config": ConfigRecord({})}), node, "train") for node in nodes[:3]]
+            msgs.append(Message(RecordDict({"config": ConfigRecord({})}), nodes[3], "query"))
+            rounds.append(grid.send_and_receive(msgs, timeout=30))
+        return nodes, rounds, [int(grid.context(n).state["count"]["n"]) for n in nodes[:3]]
+
+    nodes, rounds, counts = serve(main, train_batch)
+    assert calls == [3, 3, 3]  # the three train messages of each round, never the query
+    first = {r.metadata.src_node_id: r for r in rounds[0]}
+    assert first[nodes[1]].error.code == ErrorCode.CLIENT_APP_RAISED_EXCEPTION
+    assert "this client's data is broken" in first[nodes[1]].error.reason
+    assert dict(first[nodes[0]].content["m"]) == {"n": 1, "together": 1}
+    assert dict(first[nodes[3]].content["m"]) == {"query": 1}
+    second = {r.metadata.src_node_id: r for r in rounds[1]}
+    assert dict(second[nodes[0]].content["m"]) == {"n": 2, "alone": 1}  # None: through the ClientApp
+    # the failed call's change of its node's state is dropped, as for one ClientApp call that raises
+    assert counts == [3, 2, 3]
+    for replies in rounds:
+        assert all(r.metadata.reply_to_message_id for r in replies) and len(replies) == 4
+
+
+# ------------------------------------------------------------------ whole runs
+def run(tmp_path: Path, name: str, *overrides: str) -> list[dict]:
+    from fedmm.config import to_container
+    from launch.cli import run_job
+
+    return read_metrics(run_job(to_container(composed(*SMALL, *overrides, f"output_dir={tmp_path / name}"))))
+
+
+@pytest.fixture
+def stacked_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The number of clients of every vectorized computation."""
+    calls: list[int] = []
+    real = vectorized.train_stacked
+
+    def counted(model, states, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+        calls.append(len(states))
+        return real(model, states, *args, **kwargs)
+
+    monkeypatch.setattr(vectorized, "train_stacked", counted)
+    return calls
+
+
+@pytest.mark.parametrize("strategy", ["fedmr", "fedcross"])
+def test_a_whole_run_trained_as_one_computation_per_round_gives_the_sequential_numbers(
+        strategy: str, tmp_path: Path, stacked_calls: list[int]) -> None:
+    one_at_a_time = run(tmp_path, "off", f"strategy={strategy}", "simulation.vectorize=off")
+    assert stacked_calls == []
+    together = run(tmp_path, "auto", f"strategy={strategy}")
+    assert stacked_calls == [3, 3]  # each round's K = 3 clients in one computation
+    assert_same_results(together, one_at_a_time)
+
+
+class Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture
+def flwr_log() -> Any:
+    handler = Lines()
+    logger = logging.getLogger("flwr")
+    logger.addHandler(handler)
+    vectorized._told.clear()
+    yield handler.lines
+    logger.removeHandler(handler)
+
+
+def test_an_objective_that_does_not_vectorize_trains_one_at_a_time_named_once(
+        tmp_path: Path, stacked_calls: list[int], flwr_log: list[str]) -> None:
+    run(tmp_path, "moon", "strategy=fedavg", "objective=moon")
+    assert stacked_calls == []
+    named = [line for line in flwr_log if "Vectorized rounds" in line]
+    assert len(named) == 1 and "objective.name='moon' trains one client at a time" in named[0], named
+
+
+def test_a_cpu_and_a_large_model_train_one_at_a_time_under_auto(tmp_path: Path, stacked_calls: list[int],
+                                                                 flwr_log: list[str]) -> None:
+    run(tmp_path, "cnn", "model=cnn", "num_rounds=1")
+    assert stacked_calls == []
+    assert any("model.name='cnn' has 1,663,370 parameters" in line for line in flwr_log), flwr_log
+
+
+@pytest.mark.parametrize(("overrides", "named"), [
+    (("objective=moon",), "objective.name='moon'"),
+    (("objective=sam",), "objective.name='asam'"),
+    (("dataset=shakespeare", "model=char_lstm"), "model.name='char_lstm'"),
+    (("simulation.engine=ray",), "on the ray engine"),
+])
+def test_vectorize_on_refuses_what_cannot_vectorize(overrides: tuple[str, ...], named: str) -> None:
+    with pytest.raises(ConfigError, match="simulation.vectorize") as err:
+        composed("simulation.vectorize=on", *overrides)
+    assert named in str(err.value)
+
+
+def test_clients_are_chunked_by_setting_and_when_cuda_runs_out_of_memory(
+        tmp_path: Path, stacked_calls: list[int], monkeypatch: pytest.MonkeyPatch, flwr_log: list[str]) -> None:
+    whole = run(tmp_path, "whole", "strategy=fedmr")
+    assert stacked_calls == [3, 3]
+    stacked_calls.clear()
+    chunked = run(tmp_path, "chunked", "strategy=fedmr", "simulation.vectorize_clients=2")
+    assert stacked_calls == [2, 1, 2, 1]
+    assert_same_results(chunked, whole)
+
+    counted = vectorized.train_stacked
+
+    def small_device(model, states, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+        if len(states) > 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return counted(model, states, *args, **kwargs)
+
+    monkeypatch.setattr(vectorized, "train_stacked", small_device)
+    vectorized._fitted.clear()
+    stacked_calls.clear()
+    halved = run(tmp_path, "halved", "strategy=fedmr", "seed=4")
+    assert stacked_calls == [1] * 6  # 3 fails, 1 fits; then 1 from the start
+    assert any("CUDA out of memory with 3 clients in one computation; 1 from now on" in line for line in flwr_log)
+    monkeypatch.setattr(vectorized, "train_stacked", counted)
+    assert_same_results(halved, run(tmp_path, "halved_off", "strategy=fedmr", "seed=4", "simulation.vectorize=off"))
+
+
+def test_one_clients_failure_is_its_own_as_on_the_sequential_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  stacked_calls: list[int]) -> None:
+    from client_app import work
+    from client_app.node_data import NodeDataError
+
+    real = work.local_data
+
+    def broken_node(run_settings, context, part="train"):  # noqa: ANN001
+        if int(context.node_config["partition-id"]) in (0, 2, 4):
+            raise NodeDataError(f"node {context.node_id}: its data is unreadable")
+        return real(run_settings, context, part)
+
+    monkeypatch.setattr(work, "local_data", broken_node)
+    together = run(tmp_path, "auto", "strategy=fedavg", "num_rounds=3")
+    alone = run(tmp_path, "off", "strategy=fedavg", "num_rounds=3", "simulation.vectorize=off")
+    assert [r.get("replies") for r in together] == [r.get("replies") for r in alone]
+    assert any(r.get("replies", 3) < 3 for r in together)  # some sampled node failed
+    assert_same_results(together, alone)
