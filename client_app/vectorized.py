@@ -17,10 +17,13 @@ sequential loop (:func:`client_app.training.train_epochs`) gives it:
   drawn, client by client, from a generator seeded as the sequential loop seeds torch's global
   one, in the order the forward pass uses them (equal to the sequential loop's on the CPU).
 
-Ragged clients are exact: at each step the clients whose next batch has the same size train as
-one group (gathered from the stack and written back); a client's short last batch trains in a
-group of its own size, and a client that has run out of batches is in no group. No padded row
-ever reaches a loss or a BatchNorm statistic.
+Ragged clients are exact. A client that has run out of batches is in no step. For a model
+whose rows do not meet in the forward pass (no BatchNorm, no dropout: ``lenet``, ``cnn``), each
+step is one computation over every active client, a short batch padded to the longest with rows
+of weight 0 that the objective's loss leaves out (``rows``; their gradient is exactly 0). For a
+model with BatchNorm or dropout, the clients whose next batch has the same size train as one
+group (gathered from the stack and written back), so a client's short batch trains in a group of
+its own size. No padded row ever reaches a loss or a BatchNorm statistic.
 
 :func:`train_stacked` imports no Flower; :func:`train_messages` is the in-process engine's
 batch handler (fedmm/local_engine.py): the round's train messages in, their replies out.
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import logging
 import time
 from collections.abc import Sequence
@@ -135,6 +139,17 @@ class _Dropouts:
             layer.mask = mask
 
 
+def rows_apart(model: nn.Module) -> bool:
+    """Whether each row's output depends on that row only, and the forward pass draws nothing:
+    no BatchNorm (or other statistics over the batch) and no dropout. Then a padded row can ride
+    along with weight 0."""
+    return not any(isinstance(m, (nn.modules.batchnorm._NormBase, nn.modules.dropout._DropoutNd)) for m in model.modules())
+
+
+def _takes_rows(objective: LocalUpdate) -> bool:
+    return "rows" in inspect.signature(objective.batch_loss).parameters
+
+
 def _architecture(model: nn.Module) -> nn.Module:
     """``model``, or a copy whose ``nn.Dropout`` layers replay given masks."""
     if not any(type(m) is nn.Dropout for m in model.modules()):
@@ -214,6 +229,7 @@ def train_stacked(
     objective_clip = objective.gradient_clip()
     max_norm = None if training.clip_grad_norm is None else float(training.clip_grad_norm)
     step_index = 0
+    pad = rows_apart(arch) and _takes_rows(objective)
 
     def one(p: dict[str, torch.Tensor], b: dict[str, torch.Tensor], t: dict[str, torch.Tensor],
             masks: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -224,7 +240,13 @@ def train_stacked(
             dropouts.set(None)
         return loss
 
+    def padded(p: dict[str, torch.Tensor], b: dict[str, torch.Tensor], t: dict[str, torch.Tensor],
+               x: torch.Tensor, y: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        loss, _ = objective.batch_loss(arch, {**p, **b}, t, x, y, step_index, rows)
+        return loss
+
     step = vmap(grad_and_value(one), in_dims=(0, 0, 0, 0, 0, 0), randomness="error")
+    step_padded = vmap(grad_and_value(padded), in_dims=(0, 0, 0, 0, 0, 0), randomness="error")
     correct = vmap(objective.correct_gradient, in_dims=(0, 0)) if corrects else None
 
     streams = [local_batches(data, training, gen, device) for data, gen in zip(datas, generators)]
@@ -241,7 +263,7 @@ def train_stacked(
         active = list(batches)
         groups: dict[tuple[int, ...], list[int]] = {}
         for client, (x, _) in batches.items():
-            groups.setdefault(tuple(x.shape), []).append(client)
+            groups.setdefault(() if pad else tuple(x.shape), []).append(client)
         for members in groups.values():
             whole = len(members) == k
             index = None if whole else torch.tensor(members, device=device)
@@ -250,10 +272,23 @@ def train_stacked(
                 return stack if whole else {n: t.index_select(0, index) for n, t in stack.items()}
 
             p, b, t = pick(params), pick(buffers), pick(tensors)
-            x = torch.stack([batches[c][0] for c in members])
-            y = torch.stack([batches[c][1] for c in members])
-            masks = dropouts.masks(members, x, device)
-            grads, losses = step(p, b, t, masks, x, y)  # b's BatchNorm statistics are updated in place
+            sizes = [len(batches[c][1]) for c in members]
+            if pad and min(sizes) != max(sizes):  # short batches padded with rows of weight 0
+                first_x, first_y = batches[members[0]]
+                x = first_x.new_zeros((len(members), max(sizes), *first_x.shape[1:]))
+                y = first_y.new_zeros((len(members), max(sizes)))
+                for row, client in enumerate(members):
+                    x[row, :sizes[row]] = batches[client][0]
+                    y[row, :sizes[row]] = batches[client][1]
+            else:
+                x = torch.stack([batches[c][0] for c in members])
+                y = torch.stack([batches[c][1] for c in members])
+            if pad:
+                rows = (torch.arange(x.shape[1], device=device) < torch.tensor(sizes, device=device).view(-1, 1)).to(x.dtype)
+                grads, losses = step_padded(p, b, t, x, y, rows)
+            else:
+                masks = dropouts.masks(members, x, device)
+                grads, losses = step(p, b, t, masks, x, y)  # b's BatchNorm statistics are updated in place
             if correct is not None:
                 grads = correct(grads, t)
             if objective_clip is not None:
@@ -276,8 +311,7 @@ def train_stacked(
             if not whole:
                 for n, tensor in b.items():
                     buffers[n].index_copy_(0, index, tensor)
-            for client, loss in zip(members, losses.tolist()):
-                n_rows = len(batches[client][1])
+            for client, loss, n_rows in zip(members, losses.tolist(), sizes):
                 totals[client] += loss * n_rows
                 seen[client] += n_rows
                 steps[client] += 1

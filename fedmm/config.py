@@ -177,8 +177,12 @@ class SimulationSettings(Settings):
                                       f"set {prefix}engine=ray to run ClientApps in Ray workers")
         if self.engine != "local" and (self.vectorize == "on" or self.vectorize_clients is not None):
             name = "vectorize" if self.vectorize == "on" else "vectorize_clients"
-            raise ConfigError(f"{prefix}{name}", getattr(self, name), f"{getattr(type(self)(), name)!r} on the "
+            default = getattr(type(self)(), name)
+            raise ConfigError(f"{prefix}{name}", getattr(self, name), f"{'null' if default is None else repr(default)} on the "
                               f"{self.engine} engine, which runs each ClientApp call on its own; set {prefix}engine=local")
+        if self.vectorize == "off" and self.vectorize_clients is not None:
+            raise ConfigError(f"{prefix}vectorize_clients", self.vectorize_clients,
+                              f"null with {prefix}vectorize=off (no clients train together)")
         args, address = self.ray_init_args, self.ray_address
         for name in args:
             key = f"{prefix}ray_init_args.{name}"

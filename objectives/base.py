@@ -156,15 +156,17 @@ class LocalUpdate:
         return {}
 
     def batch_loss(self, model: nn.Module, weights: Mapping[str, torch.Tensor] | None, tensors: Mapping[str, torch.Tensor],
-                   x: torch.Tensor, y: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+                   x: torch.Tensor, y: torch.Tensor, index: int, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss to minimise, logits) of the client's batch number ``index`` (0 first, in the round).
 
         ``weights``: None to run ``model`` with its own parameters and buffers, else one client's
         (parameters and buffers by name: the clients trained together, ``model`` giving only the
         architecture; use :func:`call`, :func:`call_layers`, :func:`parameters`). ``tensors``:
-        this client's :meth:`tensors`. Plain cross-entropy here."""
+        this client's :meth:`tensors`. ``rows``: None, or a 1/0 weight per row of ``x`` when the
+        batch was padded to the size of other clients' (a model with no BatchNorm or dropout):
+        a row of weight 0 must not reach the loss (:func:`mean_over_rows`). Plain cross-entropy here."""
         logits = call(model, weights, x)
-        return F.cross_entropy(logits, y), logits
+        return cross_entropy(logits, y, rows), logits
 
     def correct_gradient(self, grads: dict[str, torch.Tensor], tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The gradient the optimizer steps with, from the loss's ``grads`` (trainable parameters
@@ -314,6 +316,23 @@ def call_prefix(model: nn.Module, weights: Mapping[str, torch.Tensor], x: torch.
     for depth in range(m):
         x = functional_call(model.layers[depth], within(weights, f"layers.{depth}."), (x,))
     return x
+
+
+def cross_entropy(logits: torch.Tensor, y: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The batch's mean cross-entropy, over the rows of weight 1 when ``rows`` is given."""
+    if rows is None:
+        return F.cross_entropy(logits, y)
+    return mean_over_rows(F.cross_entropy(logits, y, reduction="none"), rows)
+
+
+def mean_over_rows(per_row: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The mean of a per-row quantity over the rows of weight 1 (``rows``: 1/0 per row)."""
+    return (per_row * rows).sum() / rows.sum()
+
+
+def only_rows(values: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """``values`` (first dimension: rows) with the rows of weight 0 zeroed (``rows`` None: all)."""
+    return values if rows is None else values * rows.view(-1, *([1] * (values.dim() - 1)))
 
 
 def within(tensors: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:

@@ -73,8 +73,8 @@ class FedDynClient(LocalUpdate):
         return {**{f"g.{n}": v for n, v in self.g.items()}, **{f"server.{n}": v for n, v in self.server.items()}}
 
     def batch_loss(self, model: nn.Module, weights: Mapping[str, torch.Tensor] | None, tensors: Mapping[str, torch.Tensor],
-                   x: torch.Tensor, y: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        ce, logits = super().batch_loss(model, weights, tensors, x, y, index)
+                   x: torch.Tensor, y: torch.Tensor, index: int, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        ce, logits = super().batch_loss(model, weights, tensors, x, y, index, rows)
         linear = torch.zeros((), device=logits.device, dtype=logits.dtype)
         prox = torch.zeros((), device=logits.device, dtype=logits.dtype)
         for name, p in parameters(model, weights).items():

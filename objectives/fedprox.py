@@ -42,8 +42,8 @@ class FedProx(LocalUpdate):
         return {f"anchor.{name}": value for name, value in zip(self.names, self.global_params)}
 
     def batch_loss(self, model: nn.Module, weights: Mapping[str, torch.Tensor] | None, tensors: Mapping[str, torch.Tensor],
-                   x: torch.Tensor, y: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        ce, logits = super().batch_loss(model, weights, tensors, x, y, index)
+                   x: torch.Tensor, y: torch.Tensor, index: int, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        ce, logits = super().batch_loss(model, weights, tensors, x, y, index, rows)
         if self._mu == 0.0:
             return ce, logits
         current = parameters(model, weights)

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from fedmm.settings import Choice, setting
-from objectives.base import LocalUpdate, ObjectiveSettings, call_layers, call_prefix, frozen, mu_settings, within
+from objectives.base import (LocalUpdate, ObjectiveSettings, call_layers, call_prefix, cross_entropy, frozen, mu_settings,
+                             only_rows, within)
 
 
 @dataclass
@@ -62,14 +62,14 @@ class FedRL(LocalUpdate):
         return {f"reference.{name}": value for name, value in self.reference.state_dict().items()}
 
     def batch_loss(self, model: nn.Module, weights: Mapping[str, torch.Tensor] | None, tensors: Mapping[str, torch.Tensor],
-                   x: torch.Tensor, y: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+                   x: torch.Tensor, y: torch.Tensor, index: int, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         m = self.review_depth(index)
         # one pass through the local model gives both kr_{i,m} and the logits
         logits, kr_local = call_layers(model, weights, x, m)
-        ce = F.cross_entropy(logits, y)
+        ce = cross_entropy(logits, y, rows)
         if self._mu == 0.0:
             return ce, logits
         with torch.no_grad():
             kr_global = call_prefix(self.reference, within(tensors, "reference."), x, m)
-        review = torch.linalg.vector_norm(kr_global - kr_local)
+        review = torch.linalg.vector_norm(only_rows(kr_global - kr_local, rows))
         return ce + 0.5 * self._mu * review, logits

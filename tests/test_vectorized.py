@@ -215,3 +215,14 @@ def test_an_objective_with_its_own_step_is_refused() -> None:
     update = build_local_update(composed("objective=asam"))
     with pytest.raises(ValueError, match="clients of one vectorized objective"):
         train_stacked(model, [model.state_dict()], [client_data(8, 0, (1, 28, 28))], TRAINING, 1, [torch.Generator()], CPU, [update])
+
+
+def test_padded_rows_that_reach_the_loss_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """lenet has no BatchNorm or dropout: a short batch is padded with rows of weight 0. With the
+    weights ignored (the padded rows in the loss's mean), the comparison fails."""
+    import objectives.base as base
+
+    assert_pair("lenet", "ce")  # padded, and right
+    monkeypatch.setattr(base, "mean_over_rows", lambda per_row, rows: per_row.mean())
+    with pytest.raises(AssertionError):
+        assert_pair("lenet", "ce")

@@ -177,6 +177,13 @@ def test_vectorize_on_refuses_what_cannot_vectorize(overrides: tuple[str, ...], 
     assert named in str(err.value)
 
 
+def test_a_chunk_size_without_vectorized_rounds_is_refused() -> None:
+    with pytest.raises(ConfigError, match="simulation.vectorize_clients=2 is invalid; allowed: null with simulation.vectorize=off"):
+        composed("simulation.vectorize=off", "simulation.vectorize_clients=2")
+    with pytest.raises(ConfigError, match="simulation.vectorize_clients=2 is invalid; allowed: null on the ray engine"):
+        composed("simulation.engine=ray", "simulation.vectorize_clients=2")
+
+
 def test_clients_are_chunked_by_setting_and_when_cuda_runs_out_of_memory(
         tmp_path: Path, stacked_calls: list[int], monkeypatch: pytest.MonkeyPatch, flwr_log: list[str]) -> None:
     whole = run(tmp_path, "whole", "strategy=fedmr")
