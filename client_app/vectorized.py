@@ -339,19 +339,15 @@ def _tell_once(reason: str) -> None:
         _log.info("Vectorized rounds: %s; these clients train one at a time", reason)
 
 
-def _parameter_count(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
 def train_messages(messages: Sequence[Any], contexts: Sequence[Any]) -> list[Any] | None:
     """The in-process engine's handler of a round's train messages (``simulation.vectorize``):
     the replies (or, per message, the exception its ClientApp call would have raised), in
     order, or None when these messages train one at a time (``vectorize: off``, one message,
-    an objective or model that does not vectorize, or, under ``auto``, a CPU and a model too
-    large to gain: see :data:`fedmm.config.CPU_VECTORIZE_MAX_PARAMETERS`). ``contexts``: each
+    an objective or model that does not vectorize, or, under ``auto``, the CPU: measured slower
+    there in the papers' shapes, docs/performance.md section 8). ``contexts``: each
     message's node context (its ``state`` is written as the ClientApp would write it)."""
     from fedmm import protocol
-    from fedmm.config import CPU_VECTORIZE_MAX_PARAMETERS, client_run, not_vectorized
+    from fedmm.config import client_run, not_vectorized
     from fedmm.evaluation import resolve_device
 
     from client_app import work
@@ -375,9 +371,9 @@ def train_messages(messages: Sequence[Any], contexts: Sequence[Any]) -> list[Any
             raise ValueError(f"simulation.vectorize=on: {problem}")
         _tell_once(problem)
         return None
-    if mode == "auto" and device.type == "cpu" and _parameter_count(model) > CPU_VECTORIZE_MAX_PARAMETERS:
-        _tell_once(f"vectorize=auto on the CPU: model.name={run.model.name!r} has {_parameter_count(model):,} parameters, "
-                   f"more than {CPU_VECTORIZE_MAX_PARAMETERS:,} (set simulation.vectorize=on to train them together anyway)")
+    if mode == "auto" and device.type != "cuda":
+        _tell_once(f"vectorize=auto on {device.type}: one client at a time is faster there for the papers' shapes "
+                   f"(set simulation.vectorize=on to train them together anyway)")
         return None
 
     if text not in _fitted:

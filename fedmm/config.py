@@ -127,10 +127,6 @@ ENGINES = ("local", "ray")
 RAY_ONLY = ("client_cpus", "client_gpus", "ray_address", "ray_init_args")
 #: ``simulation.vectorize``: the in-process engine trains a round's clients as one computation.
 VECTORIZE = ("auto", "on", "off")
-#: ``vectorize: auto`` on the CPU: models up to this many parameters (measured on 2 cores,
-#: docs/performance.md section 8: lenet, 62 k, 2.1-2.8x at batch 10; cnn, 1.66 M, and resnet20,
-#: 0.27 M, slower than one client at a time at batch 50).
-CPU_VECTORIZE_MAX_PARAMETERS = 100_000
 
 
 @dataclass
@@ -156,9 +152,9 @@ class SimulationSettings(Settings):
                                   "ray engine: further ray.init keyword arguments (e.g. {namespace: fedmm})")
     vectorize: str = setting("auto", Choice(*VECTORIZE),
                              "local engine: train a round's clients as one computation (client_app/vectorized.py). "
-                             "auto: where the objective and model allow it and it is faster (on CUDA; on the CPU "
-                             f"models of at most {CPU_VECTORIZE_MAX_PARAMETERS:,} parameters), else one at a time | "
-                             "on: always (refuses an objective or model that does not allow it) | off: one at a time")
+                             "auto: on CUDA, where the objective and model allow it; on the CPU one at a time "
+                             "(faster there for the papers' shapes, docs/performance.md section 8) | on: also on the "
+                             "CPU (refuses an objective or model that does not allow it) | off: one at a time")
     vectorize_clients: int | None = setting(None, Nullable(Int(min=1), "null (all of a round's) or an integer >= 1"),
                                             "local engine, vectorize: at most this many clients in one computation "
                                             "(null: all of the round's; halved while CUDA runs out of memory)")

@@ -447,13 +447,14 @@ def test_fedmr_runs_on_the_two_good_nodes(deployment: Deployment) -> None:
         assert {name.split("/")[0] for name in pool.files} == {"0", "1"}  # K = 2 models kept
 
 
-def test_fedbuff_and_async_fedcross_run_on_real_supernodes_on_the_real_clock(deployment: Deployment) -> None:
+def test_async_fedcross_runs_on_real_supernodes_on_the_real_clock(deployment: Deployment) -> None:
     """The asynchronous loop on a real SuperLink (push / pull, no round barrier) with the wall
-    clock: FedBuff (C = 2, B = 1) and the asynchronous FedCross (K = 2, B = 1) on the two good
-    nodes; every aggregation is a row with its (wall) virtual_time."""
+    clock: the asynchronous FedCross (K = 2, B = 1) on the two good nodes; every aggregation is a
+    row with its (wall) virtual_time. (FedBuff runs the same loop with one model: its simulation
+    tests, tests/test_async.py and tests/test_engines.py, cover it.)"""
     if deployment.procs["supernode-bad"].poll() is None:
         deployment.stop("supernode-bad")
-    for strategy in ("fedbuff", "fedcross_async"):
+    for strategy in ("fedcross_async",):
         out = deployment.root / strategy
         config = RUN_CONFIG.format(k=2, out=out).replace(
             "overrides='", "overrides='strategy.heterogeneity.clock=real strategy.buffer_size=1 ")

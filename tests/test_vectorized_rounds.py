@@ -25,8 +25,9 @@ from fedmm.results import read_metrics
 from tests.conftest import composed
 from tests.test_same_results import assert_same_results
 
-#: A FedMR / FedCross run small enough for a test: lenet (vectorized under auto on the CPU).
+#: A FedMR / FedCross run small enough for a test (lenet); ``ON`` trains its rounds together on the CPU.
 SMALL = ("model=lenet", "num_rounds=2", "num_clients=6", "clients_per_round=3", "training.local_epochs=1", "seed=3")
+ON = "simulation.vectorize=on"
 
 
 # ------------------------------------------------------------------ the grid's side
@@ -126,7 +127,7 @@ def test_a_whole_run_trained_as_one_computation_per_round_gives_the_sequential_n
         strategy: str, tmp_path: Path, stacked_calls: list[int]) -> None:
     one_at_a_time = run(tmp_path, "off", f"strategy={strategy}", "simulation.vectorize=off")
     assert stacked_calls == []
-    together = run(tmp_path, "auto", f"strategy={strategy}")
+    together = run(tmp_path, "on", f"strategy={strategy}", ON)
     assert stacked_calls == [3, 3]  # each round's K = 3 clients in one computation
     assert_same_results(together, one_at_a_time)
 
@@ -158,11 +159,12 @@ def test_an_objective_that_does_not_vectorize_trains_one_at_a_time_named_once(
     assert len(named) == 1 and "objective.name='moon' trains one client at a time" in named[0], named
 
 
-def test_a_cpu_and_a_large_model_train_one_at_a_time_under_auto(tmp_path: Path, stacked_calls: list[int],
-                                                                 flwr_log: list[str]) -> None:
-    run(tmp_path, "cnn", "model=cnn", "num_rounds=1")
+def test_auto_trains_one_at_a_time_on_the_cpu_named_once(tmp_path: Path, stacked_calls: list[int],
+                                                          flwr_log: list[str]) -> None:
+    run(tmp_path, "auto", "simulation.vectorize=auto")
     assert stacked_calls == []
-    assert any("model.name='cnn' has 1,663,370 parameters" in line for line in flwr_log), flwr_log
+    named = [line for line in flwr_log if "Vectorized rounds" in line]
+    assert len(named) == 1 and "vectorize=auto on cpu: one client at a time" in named[0], named
 
 
 @pytest.mark.parametrize(("overrides", "named"), [
@@ -186,10 +188,10 @@ def test_a_chunk_size_without_vectorized_rounds_is_refused() -> None:
 
 def test_clients_are_chunked_by_setting_and_when_cuda_runs_out_of_memory(
         tmp_path: Path, stacked_calls: list[int], monkeypatch: pytest.MonkeyPatch, flwr_log: list[str]) -> None:
-    whole = run(tmp_path, "whole", "strategy=fedmr")
+    whole = run(tmp_path, "whole", "strategy=fedmr", ON)
     assert stacked_calls == [3, 3]
     stacked_calls.clear()
-    chunked = run(tmp_path, "chunked", "strategy=fedmr", "simulation.vectorize_clients=2")
+    chunked = run(tmp_path, "chunked", "strategy=fedmr", ON, "simulation.vectorize_clients=2")
     assert stacked_calls == [2, 1, 2, 1]
     assert_same_results(chunked, whole)
 
@@ -203,7 +205,7 @@ def test_clients_are_chunked_by_setting_and_when_cuda_runs_out_of_memory(
     monkeypatch.setattr(vectorized, "train_stacked", small_device)
     vectorized._fitted.clear()
     stacked_calls.clear()
-    halved = run(tmp_path, "halved", "strategy=fedmr", "seed=4")
+    halved = run(tmp_path, "halved", "strategy=fedmr", "seed=4", ON)
     assert stacked_calls == [1] * 6  # 3 fails, 1 fits; then 1 from the start
     assert any("CUDA out of memory with 3 clients in one computation; 1 from now on" in line for line in flwr_log)
     monkeypatch.setattr(vectorized, "train_stacked", counted)
@@ -223,7 +225,7 @@ def test_one_clients_failure_is_its_own_as_on_the_sequential_path(tmp_path: Path
         return real(run_settings, context, part)
 
     monkeypatch.setattr(work, "local_data", broken_node)
-    together = run(tmp_path, "auto", "strategy=fedavg", "num_rounds=3")
+    together = run(tmp_path, "on", "strategy=fedavg", "num_rounds=3", ON)
     alone = run(tmp_path, "off", "strategy=fedavg", "num_rounds=3", "simulation.vectorize=off")
     assert [r.get("replies") for r in together] == [r.get("replies") for r in alone]
     assert any(r.get("replies", 3) < 3 for r in together)  # some sampled node failed
