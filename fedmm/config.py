@@ -154,7 +154,8 @@ class SimulationSettings(Settings):
                              "local engine: train a round's clients as one computation (client_app/vectorized.py). "
                              "auto: on CUDA, where the objective and model allow it; on the CPU one at a time "
                              "(faster there for the papers' shapes, docs/performance.md section 8) | on: also on the "
-                             "CPU (refuses an objective or model that does not allow it) | off: one at a time")
+                             "CPU (refuses an objective or model that does not allow it) | off: one at a time (on the ray "
+                             "engine auto and off alike: one ClientApp call per message)")
     vectorize_clients: int | None = setting(None, Nullable(Int(min=1), "null (all of a round's) or an integer >= 1"),
                                             "local engine, vectorize: at most this many clients in one computation "
                                             "(null: all of the round's; halved while CUDA runs out of memory)")

@@ -74,3 +74,19 @@ def composed(*overrides: str) -> Any:
     a good part of a second); every call gets its own copy."""
     return copy.deepcopy(_composed(tuple(overrides)))
 
+
+
+@pytest.fixture
+def stacked_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The number of clients of every vectorized computation (``client_app.vectorized.train_stacked``)."""
+    import client_app.vectorized as vectorized
+
+    calls: list[int] = []
+    real = vectorized.train_stacked
+
+    def counted(model, states, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+        calls.append(len(states))
+        return real(model, states, *args, **kwargs)
+
+    monkeypatch.setattr(vectorized, "train_stacked", counted)
+    return calls

@@ -75,28 +75,19 @@ def test_a_real_out_of_memory_error_becomes_advice_and_frees_the_device() -> Non
     assert torch.cuda.memory_allocated() == before
 
 
-def test_vectorized_rounds_run_on_the_gpu_under_auto_with_the_sequential_numbers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_vectorized_rounds_run_on_the_gpu_under_auto_with_the_sequential_numbers(tmp_path: Path, stacked_calls: list[int]) -> None:
     """``simulation.vectorize=auto`` trains each round's clients as one computation on CUDA; the
     numbers are those of one client at a time on the same GPU, within the same-results tolerance."""
     from fedmm.config import compose, to_container
     from launch.cli import run_job
 
-    import client_app.vectorized as vectorized
     from tests.test_same_results import assert_same_results
 
-    calls: list[int] = []
-    real = vectorized.train_stacked
-
-    def counted(model, states, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
-        calls.append(len(states))
-        return real(model, states, *args, **kwargs)
-
-    monkeypatch.setattr(vectorized, "train_stacked", counted)
     rows = {}
     for mode in ("off", "auto"):
         cfg = to_container(compose(["num_rounds=2", "num_clients=6", "clients_per_round=3", "training.local_epochs=1",
                                     "strategy=fedmr", "model=lenet", "training.device=cuda", f"simulation.vectorize={mode}",
                                     f"output_dir={tmp_path / mode}"]))
         rows[mode] = read_metrics(run_job(cfg))
-    assert calls == [3, 3]
+    assert stacked_calls == [3, 3]
     assert_same_results(rows["auto"], rows["off"])

@@ -108,20 +108,6 @@ def run(tmp_path: Path, name: str, *overrides: str) -> list[dict]:
     return read_metrics(run_job(to_container(composed(*SMALL, *overrides, f"output_dir={tmp_path / name}"))))
 
 
-@pytest.fixture
-def stacked_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The number of clients of every vectorized computation."""
-    calls: list[int] = []
-    real = vectorized.train_stacked
-
-    def counted(model, states, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
-        calls.append(len(states))
-        return real(model, states, *args, **kwargs)
-
-    monkeypatch.setattr(vectorized, "train_stacked", counted)
-    return calls
-
-
 @pytest.mark.parametrize("strategy", ["fedmr", "fedcross"])
 def test_a_whole_run_trained_as_one_computation_per_round_gives_the_sequential_numbers(
         strategy: str, tmp_path: Path, stacked_calls: list[int]) -> None:
