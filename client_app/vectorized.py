@@ -329,8 +329,10 @@ def train_stacked(
 _log = logging.getLogger("flwr")
 #: Why a run's clients train one at a time, logged once per reason.
 _told: set[str] = set()
-#: The largest number of clients that fitted the device in one computation, by run config.
+#: The number of clients that fitted the device in one computation after running out of memory, by run config.
 _fitted: dict[str, int] = {}
+#: The run configs whose clients have trained together (named once in the log).
+_started: set[str] = set()
 
 
 def _tell_once(reason: str) -> None:
@@ -341,8 +343,9 @@ def _tell_once(reason: str) -> None:
 
 def train_messages(messages: Sequence[Any], contexts: Sequence[Any]) -> list[Any] | None:
     """The in-process engine's handler of a round's train messages (``simulation.vectorize``):
-    the replies (or, per message, the exception its ClientApp call would have raised), in
-    order, or None when these messages train one at a time (``vectorize: off``, one message,
+    the replies (or, per message, the exception its ClientApp call would have raised, or None
+    for a message that trains alone: the only one of its round), in order, or None when these
+    messages train one at a time (``vectorize: off``, one message,
     an objective or model that does not vectorize, or, under ``auto``, the CPU: measured slower
     there in the papers' shapes, docs/performance.md section 8). ``contexts``: each
     message's node context (its ``state`` is written as the ClientApp would write it)."""
@@ -376,13 +379,13 @@ def train_messages(messages: Sequence[Any], contexts: Sequence[Any]) -> list[Any
                    f"(set simulation.vectorize=on to train them together anyway)")
         return None
 
-    if text not in _fitted:
+    if text not in _started:
+        _started.add(text)
         _log.info("Vectorized rounds: the clients of %s (objective %s) train as one computation on %s",
                   run.model.name, run.objective.name, device)
     out: list[Any] = [None] * len(messages)
     ready: list[int] = []
     prepared: dict[int, tuple[LocalUpdate, TensorData, int, dict[str, torch.Tensor]]] = {}
-    server_round = protocol.server_round(messages[0])
     for i, (msg, context) in enumerate(zip(messages, contexts)):
         try:
             with work.cuda_memory_advice(run, "local training"):
@@ -399,10 +402,25 @@ def train_messages(messages: Sequence[Any], contexts: Sequence[Any]) -> list[Any
             ready.append(i)
         except Exception as err:  # noqa: BLE001 - this client's failure, as its ClientApp call would raise it
             out[i] = err
-    rounds = {protocol.server_round(messages[i]) for i in ready}
-    if len(rounds) > 1:  # one round per computation (the learning rate is the round's)
-        raise ValueError(f"train messages of rounds {sorted(rounds)} in one batch")
-    chunk = max(1, min(len(ready), run.simulation.vectorize_clients or len(ready), _fitted.setdefault(text, len(ready))))
+    by_round: dict[int, list[int]] = {}  # one round per computation (the learning rate is the round's)
+    for i in ready:
+        by_round.setdefault(protocol.server_round(messages[i]), []).append(i)
+    for server_round, same_round in by_round.items():
+        if len(same_round) == 1:
+            continue  # out[i] stays None: it trains alone, through the ClientApp
+        _train_together(run, text, model, device, server_round, same_round, prepared, messages, out)
+    return out
+
+
+def _train_together(run: Any, text: str, model: nn.Module, device: torch.device, server_round: int, ready: list[int],
+                    prepared: dict[int, tuple[LocalUpdate, TensorData, int, dict[str, torch.Tensor]]],
+                    messages: Sequence[Any], out: list[Any]) -> None:
+    """Train the clients ``ready`` (indices into ``messages``) of one round, in chunks of at most
+    ``simulation.vectorize_clients`` (halved on CUDA out of memory); each one's reply or
+    exception into ``out``."""
+    from client_app import work
+
+    chunk = max(1, min(len(ready), run.simulation.vectorize_clients or len(ready), _fitted.get(text, len(ready))))
     position = 0
     while position < len(ready):
         members = ready[position:position + chunk]
@@ -431,7 +449,6 @@ def train_messages(messages: Sequence[Any], contexts: Sequence[Any]) -> list[Any
             except Exception as err:  # noqa: BLE001 - e.g. an objective's end() refusing
                 out[i] = err
         position += len(members)
-    return out
 
 
 def _reply(run: Any, msg: Any, model: nn.Module, update: LocalUpdate, data: TensorData, result: ClientResult, seconds: float) -> Any:

@@ -81,7 +81,7 @@ REPLY_MESSAGE_UNAVAILABLE_REASON = "Error: Reply Message Unavailable - The reply
 #: Flower's message type of the link state's own error replies.
 SYSTEM_MESSAGE_TYPE = "system"
 #: A ClientApp's handler of several train messages at once: (messages, their nodes' contexts) ->
-#: each one's reply or the exception its call would raise, or None for "one at a time".
+#: each one's reply, the exception its call would raise, or None (alone); or None (each alone).
 TrainBatch = Callable[[Sequence[Message], Sequence[Context]], "Sequence[Message | BaseException] | None"]
 
 
@@ -284,8 +284,9 @@ class LocalGrid(Grid):
     With ``train_batch`` (the ClientApp's handler of several train messages, e.g.
     :func:`client_app.vectorized.train_messages`), the train messages queued one after another
     are delivered together: ``train_batch(messages, contexts)`` returns each one's reply, or the
-    exception its ClientApp call would have raised (an error reply, as above), or None for "one
-    at a time" (then each goes through the ClientApp as usual). Each message is delivered as
+    exception its ClientApp call would have raised (an error reply, as above), or None for "this
+    one alone" (it goes through the ClientApp as usual), or None instead of the list for "each
+    alone". Each message is delivered as
     one alone would be (its TTL, its own records, its node's context, kept only on success); the
     handler is fedmm's own code, not the ClientApp's mods.
     """
@@ -461,7 +462,7 @@ class LocalGrid(Grid):
             self._client_random = RandomStates.capture()
             server_random.restore()
         for index, (pending, metadata, delivered) in enumerate(taken):
-            if outs is None:  # one at a time, through the ClientApp, each with its own copy
+            if outs is None or outs[index] is None:  # one at a time, through the ClientApp, with its own copy
                 try:
                     reply = self._handle(metadata, _with_metadata(metadata, detached(delivered.content, copy_bytes=True)))
                 except Exception as err:  # noqa: BLE001 - the engine's own failure: the node's error reply
