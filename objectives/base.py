@@ -133,11 +133,9 @@ class LocalUpdate:
     def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss to minimise, logits) for one batch: :meth:`batch_loss` with the model's own
         weights and this client's :meth:`tensors`."""
-        if self.batches_seen == 0 or "_own_tensors" not in self.__dict__:
-            self._own_tensors = self.tensors()
         index = self.batches_seen
         self.batches_seen = index + 1
-        return self.batch_loss(model, None, self._own_tensors, x, y, index)
+        return self.batch_loss(model, None, self.tensors(), x, y, index)
 
     def step(self, model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """One optimizer step on a batch; returns the batch loss. Override for two-pass steps

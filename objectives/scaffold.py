@@ -125,7 +125,7 @@ class Scaffold(LocalUpdate):
         loss.backward()
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         grads = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in named}
-        corrected = self.correct_gradient(grads, self._own_tensors)
+        corrected = self.correct_gradient(grads, self.tensors())
         for n, p in named:
             p.grad = corrected[n]
         clip = self.gradient_clip()
