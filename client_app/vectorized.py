@@ -96,7 +96,7 @@ class _Dropouts:
     seeds torch's global generator, draws ``bernoulli(1 - p) / (1 - p)`` per dropout layer in
     forward order (PyTorch's CPU dropout: ``empty_like(x).bernoulli_(1 - p).div_(1 - p)``)."""
 
-    def __init__(self, arch: nn.Module, seeds: Sequence[int] | None, k: int) -> None:
+    def __init__(self, arch: nn.Module, seeds: Sequence[int] | None) -> None:
         self.arch = arch
         self.layers = [m for m in arch.modules() if isinstance(m, ReplayDropout)]
         if self.layers and seeds is None:
@@ -223,7 +223,7 @@ def train_stacked(
     own = [u.tensors() for u in updates]
     tensors = {n: torch.stack([t[n] for t in own]).to(device) for n in own[0]}
     momentum_buf = {n: torch.zeros_like(p) for n, p in params.items()}  # m * 0 + g = g: torch's first step, exactly
-    dropouts = _Dropouts(arch, dropout_seeds, k)
+    dropouts = _Dropouts(arch, dropout_seeds)
 
     corrects = type(objective).correct_gradient is not LocalUpdate.correct_gradient
     objective_clip = objective.gradient_clip()
