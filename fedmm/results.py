@@ -45,7 +45,12 @@ def read_metrics(path: Path | str) -> list[dict[str, Any]]:
 
 
 def run_status(run_dir: Path | str) -> tuple[str, str]:
-    """(status, reason) of a run directory from its ``summary.json`` (``missing`` when absent)."""
+    """(status, reason) of a run directory from its ``summary.json`` (``missing`` when absent).
+
+    The ServerApp writes ``completed``, ``failed`` (with the reason), ``interrupted`` (a signal
+    to ``fedmm``) or ``stopped`` (Flower ended the ServerApp: ``flwr stop``, or a signal to its
+    process); the last two leave a checkpoint that ``resume=<run dir>`` continues.
+    """
     summary = Path(run_dir) / SUMMARY_FILE
     if not summary.is_file():
         return "missing", f"no {SUMMARY_FILE} in {run_dir} (the run did not start, or is still running)"

@@ -22,12 +22,15 @@ from fedmm.errors import ConfigError
 from fedmm.results import CONFIG_FILE, METRICS_FILE, json_safe
 
 
-def run_dir_name(cfg: Any) -> str:
-    """``<timestamp>_<strategy>[+objective]_<dataset>_<partition>_s<seed>``."""
+def run_dir_name(cfg: Any, simulation: bool = True) -> str:
+    """``<timestamp>_<strategy>[+objective]_<dataset>_<partition>_s<seed>`` in simulation;
+    ``<timestamp>_<strategy>[+objective]_<dataset>_deployment_s<seed>`` in deployment, where
+    each SuperNode trains on its own data and the config's partition is not used."""
     stamp = dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     objective = cfg.objective.name
     method = cfg.strategy.name + ("" if objective == "ce" else f"+{objective}")
-    return f"{stamp}_{method}_{cfg.dataset.name}_{cfg.partition.name}_s{cfg.seed}"
+    split = cfg.partition.name if simulation else "deployment"
+    return f"{stamp}_{method}_{cfg.dataset.name}_{split}_s{cfg.seed}"
 
 
 def _ours_before_start(entry: Path) -> bool:
@@ -37,8 +40,11 @@ def _ours_before_start(entry: Path) -> bool:
     return entry.name in (".hydra", "config.yaml", "summary.json", ".fedmm.lock") or entry.suffix == ".log"
 
 
-def create_run_dir(cfg: Any) -> Path:
-    """Create the run's directory (absolute). Never reuses a directory that holds a run."""
+def create_run_dir(cfg: Any, simulation: bool = True) -> Path:
+    """Create the run's directory (absolute). Never reuses a directory that holds a run.
+
+    Without ``output_dir`` it is a new folder under ``results_root`` named by
+    :func:`run_dir_name` (``simulation``: as there)."""
     if cfg.output_dir:
         path = Path(os.path.expanduser(str(cfg.output_dir))).resolve()
         if (path / METRICS_FILE).exists():
@@ -53,7 +59,7 @@ def create_run_dir(cfg: Any) -> Path:
         return path
     root = Path(os.path.expanduser(str(cfg.results_root))).resolve()
     root.mkdir(parents=True, exist_ok=True)
-    base = run_dir_name(cfg)
+    base = run_dir_name(cfg, simulation)
     for attempt in range(1000):
         path = root / (base if attempt == 0 else f"{base}-{attempt}")
         try:

@@ -143,10 +143,25 @@ def time_left(history: list[dict[str, Any]], num_rounds: int) -> str:
     return f"~{per_round * (num_rounds - last['round']):.0f}s left"
 
 
-def plot_title(run: RunSettings) -> str:
-    """Method, model, dataset, partition (with α) and seed, for plots."""
+def exit_status(err: SystemExit, rounds_done: int) -> dict[str, str]:
+    """The ``summary.json`` status of a run that ``err`` ended.
+
+    A deployment's ServerApp process exits through Flower's signal handler: ``flwr stop`` (the
+    SuperLink then refuses the process's heartbeat, which raises SIGINT in it) and a SIGINT or
+    SIGTERM sent to the process all end in ``sys.exit(0)`` raised wherever the ServerApp is, so
+    code 0 (or None) is a stop, not a failure; any other code is a failure.
+    """
+    if err.code in (0, None):
+        return {"status": "stopped", "reason": f"stopped by Flower after round {rounds_done} (flwr stop, or SIGINT/SIGTERM "
+                                               f"to the ServerApp process; resume=<this run dir> continues it)"}
+    return {"status": "failed", "reason": f"SystemExit: {err.code}"}
+
+
+def plot_title(run: RunSettings, simulation: bool = True) -> str:
+    """Method, model, dataset, partition (with α; ``deployment`` where the SuperNodes bring
+    their own data) and seed, for plots."""
     p = run.partition
-    partition = f"Dir(α={p.alpha})" if p.name == "dirichlet" else p.name
+    partition = "deployment" if not simulation else f"Dir(α={p.alpha})" if p.name == "dirichlet" else p.name
     method = run.strategy.name + ("" if run.objective.name == "ce" else f"+{run.objective.name}")
     return f"{method} · {run.model.name} · {run.dataset.name} · {partition} · seed {run.seed}"
 
@@ -170,7 +185,7 @@ def run_experiment(grid: Grid, settings: RunSettings | Mapping[str, Any], simula
             raise ConfigError("num_rounds", cfg.num_rounds, f"more than the {done} rounds the run in {run_dir} has finished, to continue it")
         cfg.output_dir = str(run_dir)
     else:
-        run_dir = create_run_dir(cfg)
+        run_dir = create_run_dir(cfg, simulation)
     log(INFO, "fedmm run directory: %s", run_dir)
     lock = RunLock(run_dir)  # a second run in this directory is refused while this one runs
     try:
@@ -326,6 +341,9 @@ def _run_locked(grid: Grid, cfg: RunSettings, run_dir: Path, checkpoint: dict[st
     except KeyboardInterrupt:
         status = {"status": "interrupted", "reason": f"interrupted after round {last['round']} (resume=<this run dir> continues it)"}
         raise
+    except SystemExit as err:
+        status = exit_status(err, last["round"])
+        raise
     except BaseException as err:
         status = {"status": "failed", "reason": f"{type(err).__name__}: {err}"}
         raise
@@ -335,7 +353,7 @@ def _run_locked(grid: Grid, cfg: RunSettings, run_dir: Path, checkpoint: dict[st
         if status["status"] != "completed":
             log(ERROR, "fedmm run %s: %s", status["status"], status.get("reason", ""))
         if recorder.history:
-            recorder.plot_learning_curve(plot_title(cfg))
+            recorder.plot_learning_curve(plot_title(cfg, simulation))
         recorder.close()
         recorder.write_json(
             "summary.json",
