@@ -189,12 +189,14 @@ def run_experiment(grid: Grid, settings: RunSettings | Mapping[str, Any], simula
     log(INFO, "fedmm run directory: %s", run_dir)
     lock = RunLock(run_dir)  # a second run in this directory is refused while this one runs
     try:
-        return _run_locked(grid, cfg, run_dir, checkpoint, simulation)
+        return run_locked(grid, cfg, run_dir, checkpoint, simulation)
     finally:
         lock.release()
 
 
-def _run_locked(grid: Grid, cfg: RunSettings, run_dir: Path, checkpoint: dict[str, Any] | None, simulation: bool) -> Path:
+def run_locked(grid: Grid, cfg: RunSettings, run_dir: Path, checkpoint: dict[str, Any] | None, simulation: bool) -> Path:
+    """The run in ``run_dir``, its lock held: set-up, the rounds, the final files (where the
+    ServerApp's own work starts: what a timer of the run wraps)."""
     recorder = RunRecorder(run_dir, cfg)
     counting = CountingGrid(grid)
     num_rounds = cfg.num_rounds
@@ -352,9 +354,9 @@ def _run_locked(grid: Grid, cfg: RunSettings, run_dir: Path, checkpoint: dict[st
             save_checkpoint(run_dir, last["state"])  # an interrupted or failed run can be resumed
         if status["status"] != "completed":
             log(ERROR, "fedmm run %s: %s", status["status"], status.get("reason", ""))
-        if recorder.history:
-            recorder.plot_learning_curve(plot_title(cfg, simulation))
         recorder.close()
+        # The summary before the plot: a stopped deployment's ServerApp has Flower's 5 s (its
+        # FORCE_EXIT_TIMEOUT_SECONDS) from the stop to write its files before it is killed.
         recorder.write_json(
             "summary.json",
             {
@@ -368,5 +370,7 @@ def _run_locked(grid: Grid, cfg: RunSettings, run_dir: Path, checkpoint: dict[st
                 "bytes_received": counting.bytes_received,
             },
         )
+        if recorder.history:
+            recorder.plot_learning_curve(plot_title(cfg, simulation))
     log(INFO, "fedmm results written to: %s", run_dir)
     return run_dir
