@@ -58,17 +58,3 @@ def robust_mean_models(models: Sequence[Mapping[str, np.ndarray]], how: str, tri
             value = np.sort(stack, axis=0)[cut : n - cut].mean(axis=0)
         out[key] = value.astype(first.dtype) if np.issubdtype(first.dtype, np.floating) else np.rint(value).astype(first.dtype)
     return out
-
-
-def bound_update_norm(model: Mapping[str, np.ndarray], sent: Mapping[str, np.ndarray], max_norm: float) -> tuple[ModelDict, float]:
-    """``model`` with its update (model − sent, floating-point entries) scaled to at most
-    ``max_norm`` in L2 norm (one norm over the whole update); returns (model, the update's norm)."""
-    keys = [k for k, v in model.items() if np.issubdtype(np.asarray(v).dtype, np.floating)]
-    norm = float(np.sqrt(sum(float(np.sum((np.asarray(model[k], np.float64) - sent[k]) ** 2)) for k in keys)))
-    if norm <= max_norm or norm == 0.0:
-        return dict(model), norm
-    scale = max_norm / norm
-    out = dict(model)
-    for k in keys:
-        out[k] = (sent[k] + (np.asarray(model[k], np.float64) - sent[k]) * scale).astype(np.asarray(model[k]).dtype)
-    return out, norm

@@ -22,7 +22,7 @@ model for model (``tests/test_async.py``), whatever the clients' speeds.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from logging import ERROR
+from logging import ERROR, WARNING
 from typing import Any
 
 from flwr.supercore import log
@@ -89,7 +89,17 @@ class AsyncMultiModel(AsyncRoundLoop):
         assert self.models is not None
         indices = sorted(self.arrived)
         updates = [u for u in (self.arrived[i] for i in indices) if u is not None]
-        self.bound_updates(updates)  # defence.clip_update_norm, against the model each was sent
+        if updates:  # the defence stage, against the model each was sent
+            before = len(self.failures)
+            kept = self.defend(updates, [self.models[u.slot] for u in updates],
+                               [f"node {u.node_id} (model {u.slot})" for u in updates], self.failures)
+            for update in updates:
+                if all(update is not k for k in kept):
+                    self.arrived[update.slot] = None  # the model comes back as it was sent
+            for reason in self.failures[before:]:
+                log(WARNING, "\t> rejected: %s", reason)
+            self.last_rejections = list(self.failures)
+            updates = kept
         current = list(self.models)
         for update in updates:
             current[update.slot] = update.model
@@ -101,7 +111,7 @@ class AsyncMultiModel(AsyncRoundLoop):
         self.used_staleness = []
         metrics = self.train_metrics(updates)
         previous = (list(self.models), self.global_model)
-        global_model = self.round_mean = self.robust_or(current, lambda: mean_models(current))
+        global_model = self.round_mean = self.client_mean(current, lambda: mean_models(current))
         trained = [position for position, i in enumerate(indices) if self.arrived[i] is not None]
         fused = self.update_models(self.version + 1, [dict(current[i]) for i in indices], trained)
         self.round_mean = None

@@ -39,7 +39,8 @@ from fedmm.interrupt import STOP, raise_if_stopped
 from fedmm.errors import ConfigError
 from fedmm.protocol import ClientUpdate, ModelDict
 from fedmm.settings import Choice, Int, Nullable, Number, Settings, setting
-from strategies.aggregation import bound_update_norm, robust_mean_models
+from strategies.aggregation import robust_mean_models
+from strategies.defence import Defence, DefenceSettings, refuse
 from strategies.heterogeneity import NEUTRAL, HeterogeneitySettings, VirtualClock
 from strategies.selection import ClientSelector, SeededRosterSelector
 
@@ -97,24 +98,6 @@ def exchange(
 
 
 @dataclass
-class DefenceSettings(Settings):
-    """Optional defences against hostile updates (off by default, so the papers' numbers stand):
-    every accepted update's norm bounded against the model it was sent (per model for the
-    multi-model methods), and a robust mean where the method takes a mean of client models
-    (FedAvg's aggregate; the multi-model methods' global model)."""
-
-    keyed = False
-    clip_update_norm: float | None = setting(None, Nullable(Number(gt=0), "null (off) or an L2 norm > 0"),
-                                             "scale each update (model − the model it was sent) down to at most this L2 norm",
-                                             label="update norm ≤ {}")
-    robust_mean: str = setting("none", Choice("none", "median", "trimmed"),
-                               "none: the method's own mean | median: coordinate-wise | trimmed: coordinate-wise "
-                               "trimmed mean (unweighted)", label="{} mean")
-    trim_fraction: float = setting(0.1, Number(ge=0, lt=0.5), "share of each coordinate's largest and smallest values "
-                                   "left out by the trimmed mean")
-
-
-@dataclass
 class StrategySettings(Settings):
     """Settings every server method has; a method's own declaration extends this one.
 
@@ -126,6 +109,8 @@ class StrategySettings(Settings):
     group = "strategy"
     companions: ClassVar[dict[str, str]] = {}
     weighs_replies: ClassVar[bool] = False
+    #: Defence settings that have no meaning for the method: {setting: why} (refused when set).
+    refused_defences: ClassVar[dict[str, str]] = {}
     fraction_evaluate: float = setting(0.0, Number(ge=0.0, le=1.0),
                                        "share of the connected nodes that evaluate the global model each round")
     max_num_examples: int | None = setting(None, Nullable(Int(min=1), "null (2**31 - 1) or an integer >= 1"),
@@ -141,6 +126,10 @@ class StrategySettings(Settings):
     #: Declared after runs were made: the values that reproduce those runs.
     added = {"max_num_examples": None, "defence": {"clip_update_norm": None, "robust_mean": "none", "trim_fraction": 0.1},
              "heterogeneity": NEUTRAL}
+
+    def check_values(self, prefix: str) -> None:
+        """A defence the method declares meaningless for it is refused."""
+        refuse(self.defence, self.refused_defences, self.option or type(self).__name__)
 
     def check(self, run: Any) -> None:
         """Clients evaluate on rows they never train on: fraction_evaluate > 0 needs a held-out part."""
@@ -523,25 +512,28 @@ class RoundLoopStrategy(Strategy):
         self.round_log["virtual_time"] = self.clock.now
         return kept
 
-    def bound_updates(self, updates: list[ClientUpdate]) -> None:
-        """``defence.clip_update_norm``: scale each update down to the bound, against the model
-        its slot was sent; the round logs how many were scaled and the largest norm seen."""
-        defence = getattr(self.settings, "defence", None)
-        if defence is None or defence.clip_update_norm is None or not updates or not self.models:
-            return
-        scaled, largest = 0, 0.0
-        for update in updates:
-            sent = self.models[self.model_for_slot(update.slot)]
-            update.model, norm = bound_update_norm(update.model, sent, float(defence.clip_update_norm))
-            scaled += norm > defence.clip_update_norm
-            largest = max(largest, norm)
-        self.round_log.update({"updates_scaled": float(scaled), "largest_update_norm": largest})
+    def defend(self, updates: list[ClientUpdate], sent: list[ModelDict], names: list[str],
+               rejected: list[str]) -> list[ClientUpdate]:
+        """The defence stage (:mod:`strategies.defence`) on the round's accepted ``updates``
+        (``sent[i]``: the model ``updates[i]`` was sent, ``names[i]``: how logs name its node):
+        the updates kept, each screened reply's reason added to ``rejected``."""
+        verdict = Defence(self.settings.defence).screen_and_bound(updates, sent)
+        by_id = {id(u): name for u, name in zip(updates, names)}
+        rejected.extend(f"{by_id[id(u)]}: {reason}" for u, reason in verdict.rejected)
+        self.round_log.update(verdict.log)
+        return verdict.kept
 
-    def robust_or(self, models: list[ModelDict], mean: Callable[[], ModelDict]) -> ModelDict:
-        """``defence.robust_mean`` of ``models`` when one is set, else the method's own ``mean()``."""
-        defence = getattr(self.settings, "defence", None)
-        if defence is None or defence.robust_mean == "none":
-            return mean()
+    def client_mean(self, models: list[ModelDict], own: Callable[[], ModelDict]) -> ModelDict:
+        """The mean the method takes of client models: ``defence.robust_mean`` of ``models``
+        when one is set, else the method's own mean, ``own()``."""
+        robust = self.robust_mean_of(models)
+        return own() if robust is None else robust
+
+    def robust_mean_of(self, models: list[ModelDict]) -> ModelDict | None:
+        """``defence.robust_mean`` of ``models`` (unweighted), or None when it is off."""
+        defence = self.settings.defence
+        if defence.robust_mean == "none" or not models:
+            return None
         return robust_mean_models(models, defence.robust_mean, defence.trim_fraction)
 
     def examples_bound(self, node_id: int) -> tuple[int | None, str]:
@@ -573,6 +565,10 @@ class RoundLoopStrategy(Strategy):
         updates = self.close_virtual_round(updates, rejected)
         self._pending, self._slot_of = [], None
         updates.sort(key=lambda u: u.slot)
+        if updates and self.models:
+            models_sent = [self.models[self.model_for_slot(u.slot)] for u in updates]
+            updates = self.defend(updates, models_sent, [self._where(u.node_id, u.slot) for u in updates], rejected)
+            self.selector.observe(server_round, updates, [self.models[self.model_for_slot(u.slot)] for u in updates])
         self.last_replies = len(updates)
         self.last_rejections = rejected
         log(INFO, "aggregate_train: Received %s results and %s failures (round %d: %d/%d replies accepted)",
@@ -582,9 +578,6 @@ class RoundLoopStrategy(Strategy):
         logged = sorted({k for u in updates for k in u.metrics} - {self.weighted_by_key, *protocol.TRAINING_METRICS})
         for key in logged:  # a client objective's own metrics
             self.round_log[key.replace("-", "_")] = float(np.mean([u.metrics[key] for u in updates if key in u.metrics]))
-        if updates and self.models:
-            self.selector.observe(server_round, updates, [self.models[self.model_for_slot(u.slot)] for u in updates])
-        self.bound_updates(updates)
         for update in updates:
             self.on_update(server_round, update)
         metrics = self.train_metrics(updates)

@@ -44,6 +44,6 @@ class FedAvg(RoundLoopStrategy):
         if not updates:
             return None
         models = [u.model for u in updates]
-        self.models = [self.robust_or(models, lambda: weighted_mean_models(models, self.update_weights(updates)))]
+        self.models = [self.client_mean(models, lambda: weighted_mean_models(models, self.update_weights(updates)))]
         return self.models[0]
 

@@ -28,7 +28,6 @@ from fedmm import protocol
 from fedmm.errors import ConfigError
 from fedmm.protocol import ClientUpdate, ModelDict
 from fedmm.settings import Choice, Int, Nullable, Number, setting
-from strategies.aggregation import bound_update_norm
 from strategies.asynchronous import AsyncRoundLoop, Job, buffer_setting, check_async, half, max_staleness_setting
 from strategies.base import StrategySettings, non_finite_key
 
@@ -74,16 +73,17 @@ class FedBuffSettings(StrategySettings):
     staleness_weight: str = setting("sqrt", Choice(*STALENESS_WEIGHTS), "sqrt: 1/sqrt(1 + τ) (the paper's) | none: 1",
                                     paper="1/sqrt(1 + staleness)", label="staleness weight {}")
     max_staleness: int | None = max_staleness_setting("drop an update")
+    refused_defences = dict.fromkeys(
+        ("adaptive_clip", "screen", "robust_mean"),
+        "FedBuff folds each update into its buffer's sum as it arrives, so no update is compared with the "
+        "others; clip_update_norm bounds each")
 
     def check(self, run: Any) -> None:
-        """The async rules; C at most the clients; FedBuff sums updates: no robust mean."""
+        """The async rules; C at most the clients."""
         super().check(run)
         check_async(self, run)
         if self.concurrency is not None and self.concurrency > run.num_clients:
             raise ConfigError("strategy.concurrency", self.concurrency, f"at most num_clients ({run.num_clients})")
-        if self.defence.robust_mean != "none":
-            raise ConfigError("strategy.defence.robust_mean", self.defence.robust_mean,
-                              "none with strategy=fedbuff (its step sums weighted updates; clip_update_norm bounds each)")
 
 
 class FedBuff(AsyncRoundLoop):
@@ -147,10 +147,12 @@ class FedBuff(AsyncRoundLoop):
         self.failed_in_a_row = 0
         sent = self.versions[job.version]
         model = job.update.model
-        clip = self.defence.clip_update_norm
-        if clip is not None:
-            model, norm = bound_update_norm(model, sent, float(clip))
-            self.round_log["largest_update_norm"] = max(self.round_log.get("largest_update_norm", 0.0), norm)
+        if self.defence.clip_update_norm is not None:  # the defence stage, one update at a time
+            before = dict(self.round_log)
+            [update] = self.defend([job.update], [sent], [self.name_job(job)], self.failures)
+            model = update.model
+            self.round_log["largest_update_norm"] = max(before.get("largest_update_norm", 0.0), self.round_log["largest_update_norm"])
+            self.round_log["updates_scaled"] += before.get("updates_scaled", 0.0)
         self.delta = add_update(self.delta, model, sent, staleness_weight(staleness, self.settings.staleness_weight))
         self.buffered.append(ClientUpdate(job.node, 0, {}, job.update.num_examples, job.update.metrics))
         self.buffered_staleness.append(staleness)

@@ -38,18 +38,21 @@ from strategies.selection import ClientSelector
 
 def feddyn_server_step(
     server: Mapping[str, np.ndarray], models: Sequence[Mapping[str, np.ndarray]], h: Mapping[str, np.ndarray],
-    alpha: float, num_clients: int,
+    alpha: float, num_clients: int, robust_mean: ModelDict | None = None,
 ) -> tuple[ModelDict, ModelDict, ModelDict]:
     """One FedDyn server update: (the next server model θ, the next h, the mean of ``models``).
 
     ``server`` is the model the clients received, ``h`` holds one array per trainable parameter
     (its keys), ``num_clients`` is m. Computed in float64, returned in each array's own dtype.
     """
-    mean = mean_models(models)
+    mean = mean_models(models) if robust_mean is None else robust_mean
     new_h: ModelDict = {}
     nxt: ModelDict = dict(mean)
     for key, h_old in h.items():
-        drift = sum(np.asarray(m[key], dtype=np.float64) - server[key] for m in models)
+        if robust_mean is None:
+            drift = sum(np.asarray(m[key], dtype=np.float64) - server[key] for m in models)
+        else:  # Σ_i (θ_i − θ) with each θ_i replaced by the robust mean
+            drift = len(models) * (np.asarray(robust_mean[key], dtype=np.float64) - server[key])
         h_new = np.asarray(h_old, dtype=np.float64) - (alpha / num_clients) * drift
         new_h[key] = h_new.astype(h_old.dtype)
         nxt[key] = (mean[key].astype(np.float64) - h_new / alpha).astype(mean[key].dtype)
@@ -109,7 +112,8 @@ class FedDyn(FedAvg):
         if not updates:
             return None
         assert self.models is not None and self.h is not None
-        nxt, self.h, mean = feddyn_server_step(self.models[0], [u.model for u in updates], self.h, self.alpha, self.num_clients)
+        nxt, self.h, mean = feddyn_server_step(self.models[0], [u.model for u in updates], self.h, self.alpha, self.num_clients,
+                                                    self.robust_mean_of([u.model for u in updates]))
         self.models = [nxt]
         self.round_log["h_norm"] = float(np.sqrt(sum(float(np.square(v, dtype=np.float64).sum()) for v in self.h.values())))
         return mean

@@ -67,7 +67,8 @@ class FedExP(FedAvg):
         current = self.models[0]
         weights = self.update_weights(updates)
         epsilon = self.epsilon_at(server_round)
-        nxt, eta = fedexp_step(current, [u.model for u in updates], weights, epsilon, self.extrapolate_buffers)
+        models = [u.model for u in updates]
+        nxt, eta = fedexp_step(current, models, weights, epsilon, self.extrapolate_buffers, self.robust_mean_of(models))
         self.round_log.update({"eta_g": eta, "epsilon": epsilon})
         self.models = [nxt]
         return nxt if server_round == 1 else average_iterates(nxt, current)

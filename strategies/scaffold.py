@@ -72,13 +72,22 @@ def scaffold_step(
     server_lr: float = 1.0,
     model_weights: list[float] | None = None,
     control_weights: list[float] | None = None,
+    robust: tuple[ModelDict, ModelDict] | None = None,
 ) -> tuple[ModelDict, ModelDict]:
     """(x⁺, c⁺) from the trained models y_i and their Δc_i.
 
     Trainable entries: x + η_g·Σ_i q_i(y_i − x) with q_i = ``model_weights`` normalised (None:
     1/|S|); non-trainable entries: the ``examples``-weighted mean. c⁺ = c + (1/N)·Σ_i v_i·Δc_i with
-    v_i = ``control_weights`` (None: 1).
+    v_i = ``control_weights`` (None: 1). ``robust``: robust means of the models and of the Δc_i
+    (``strategy.defence.robust_mean``): x⁺ = x + η_g·(robust model − x) (buffers: the robust
+    model's), c⁺ = c + (|S|/N)·(robust Δc).
     """
+    if robust is not None:
+        model_mean, control_mean = robust
+        x_next = {k: model_mean[k] if is_buffer(k, v) else (v + server_lr * (model_mean[k].astype(np.float64) - v)).astype(v.dtype)
+                  for k, v in x.items()}
+        c_next = {k: (v + len(deltas) / num_clients * control_mean[k].astype(np.float64)).astype(v.dtype) for k, v in c.items()}
+        return x_next, c_next
     q = np.full(len(models), 1.0 / len(models)) if model_weights is None else np.asarray(model_weights, float) / np.sum(model_weights)
     buffers = weighted_mean_models(models, examples if sum(examples) > 0 else [1.0] * len(models))
     out: ModelDict = {}
@@ -172,9 +181,19 @@ class Scaffold(FedAvg):
             examples, self.num_clients, self.server_lr,
             model_weights=examples if lab else None,
             control_weights=[self._data_weights[u.node_id] for u in updates] if lab else None,
+            robust=self.robust_means(updates),
         )
         self.models, self.control = [x], c
         return x
+
+    def robust_means(self, updates: list[ClientUpdate]) -> tuple[ModelDict, ModelDict] | None:
+        """``defence.robust_mean`` of the models and of the Δc_i, or None when it is off."""
+        models = self.robust_mean_of([u.model for u in updates])
+        if models is None:
+            return None
+        controls = self.robust_mean_of([u.extras[scaffold_client.CONTROL_DELTA] for u in updates])
+        assert controls is not None
+        return models, controls
 
     def state_dict(self) -> dict[str, Any]:
         """The models, RNG, selector and c (the clients' c_i live on the nodes)."""

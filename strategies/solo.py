@@ -29,6 +29,10 @@ class SoloSettings(StrategySettings):
 
     option = "solo"
     title = "SOLO"
+    refused_defences = dict.fromkeys(
+        ("clip_update_norm", "adaptive_clip", "screen", "robust_mean"),
+        "each client trains only its own model and nothing is aggregated into anyone else's, so a hostile "
+        "client harms only itself")
 
 
 class Solo(RoundLoopStrategy):

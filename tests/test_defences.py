@@ -7,9 +7,12 @@ import pytest
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 
 from fedmm import protocol
-from fedmm.config import compose
+from fedmm.config import compose, discover
 from strategies import build_strategy
-from strategies.aggregation import bound_update_norm, robust_mean_models
+from fedmm.errors import ConfigError
+from fedmm.protocol import ClientUpdate
+from strategies.aggregation import robust_mean_models
+from strategies.defence import Defence, DefenceSettings
 from tests.fakes import FakeGrid
 
 
@@ -21,14 +24,33 @@ def test_robust_means_by_hand() -> None:
     assert robust_mean_models(models, "median")["w"].dtype == np.float32 and robust_mean_models(models, "median")["n"] == 2
 
 
-def test_update_norm_bound_by_hand() -> None:
+def update(w: list[float], sent: list[float], node: int = 0) -> ClientUpdate:
+    return ClientUpdate(node, node, {"w": np.array(w, np.float32), "n": np.array(6)}, 10.0, {})
+
+
+def test_the_stage_by_hand() -> None:
+    """Fixed bound, adaptive bound (× the median norm) and the screen (cosine to the median
+    update), each against the model the update was sent; integer buffers are not updates."""
     sent = {"w": np.zeros(2, np.float32), "n": np.array(5)}
-    bounded, norm = bound_update_norm({"w": np.array([3.0, 4.0], np.float32), "n": np.array(6)}, sent, 1.0)
-    assert norm == pytest.approx(5.0)
-    np.testing.assert_allclose(bounded["w"], [0.6, 0.8], rtol=1e-6)
-    assert bounded["n"] == 6  # integer buffers are not updates
-    same, _ = bound_update_norm({"w": np.array([0.3, 0.4], np.float32), "n": np.array(6)}, sent, 1.0)
-    np.testing.assert_array_equal(same["w"], np.array([0.3, 0.4], np.float32))
+    stage = Defence(DefenceSettings(clip_update_norm=1.0))
+    verdict = stage.screen_and_bound([update([3.0, 4.0], sent), update([0.3, 0.4], sent)], [sent, sent])
+    np.testing.assert_allclose(verdict.kept[0].model["w"], [0.6, 0.8], rtol=1e-6)
+    np.testing.assert_array_equal(verdict.kept[1].model["w"], np.array([0.3, 0.4], np.float32))
+    assert verdict.kept[0].model["n"] == 6 and verdict.log == {"largest_update_norm": 5.0, "updates_scaled": 1.0}
+
+    sents = [sent, {"w": np.ones(2, np.float32), "n": np.array(5)}, sent, sent]  # per model: the second was sent 1s
+    honest = [update([0.6, 0.8], sent), update([1.6, 1.8], sents[1]), update([0.0, 1.0], sent)]
+    scaled = update([60.0, 80.0], sent)
+    verdict = Defence(DefenceSettings(adaptive_clip=2.0)).screen_and_bound([*honest, scaled], sents)
+    assert len(verdict.kept) == 4 and verdict.log["update_norm_bound"] == pytest.approx(2.0)  # median norm 1
+    np.testing.assert_allclose(verdict.kept[3].model["w"], [1.2, 1.6], rtol=1e-6)
+
+    flipped, free_rider = update([-6.0, -8.0], sent), update([0.0, 0.0], sent)
+    verdict = Defence(DefenceSettings(screen=0.0)).screen_and_bound([*honest, flipped, free_rider], [*sents, sent])
+    assert [u.model["w"].tolist() for u in verdict.kept] == [u.model["w"].tolist() for u in honest]
+    assert [reason.split(":")[0] for _, reason in verdict.rejected] == ["defence.screen"] * 2
+    # fewer than 3 updates: no median to screen against
+    assert len(Defence(DefenceSettings(screen=0.0)).screen_and_bound([honest[0], flipped], [sent, sent]).kept) == 2
 
 
 def one_round(strategy_name: str, defence: list[str], attack: str) -> dict[str, np.ndarray]:
@@ -82,3 +104,71 @@ def test_a_non_finite_aggregate_keeps_the_previous_models() -> None:
     assert out is None and metrics["replies"] == 0.0 and strategy.last_replies == 0
     np.testing.assert_array_equal(strategy.models[0]["w"], initial["w"])
     assert strategy.accepted_rounds == {}  # the nodes' state of this round is not kept either
+
+
+#: Every defence setting, the value that turns it on (with any setting it needs) and the attack it answers.
+DEFENCES = [
+    ("clip_update_norm", ["2.0"], "scale"),
+    ("adaptive_clip", ["1.5"], "scale"),
+    ("screen", ["0.0"], "flip"),
+    ("robust_mean", ["median"], "scale"),
+    ("robust_mean", ["trimmed", "strategy.defence.trim_fraction=0.2"], "scale"),
+]
+#: Settings that let one round of every method see all 5 replies.
+ALL_BACK = {"fedbuff": ["strategy.concurrency=5", "strategy.buffer_size=5"],
+            "fedmr_async": ["strategy.buffer_size=5"], "fedcross_async": ["strategy.buffer_size=5"]}
+
+
+def run_one_round(name: str, overrides: list[str], attack: str | None) -> list[np.ndarray]:
+    """One round through the method's own loop (``start``): 5 nodes whose honest update is
+    about +1 on every floating-point weight, partition 4 hostile; the server's models after it
+    (the global model first), flattened."""
+    import torch
+
+    cfg = compose([f"strategy={name}", "num_clients=5", "clients_per_round=5", *ALL_BACK.get(name, []), *overrides])
+    strategy = build_strategy(cfg)
+    # a body and a classifier head (FedGen shapes its generator for the head)
+    initial = {"body.weight": np.zeros((4, 3), np.float32), "head.weight": np.zeros((3, 4), np.float32),
+               "head.bias": np.zeros(3, np.float32), "bn.num_batches_tracked": np.array(0)}
+    def node(msg: Message, key: str) -> RecordDict:
+        sent = protocol.record_to_model(msg.content[protocol.ARRAYS], copy=True)
+        index = int(key[-1])
+        out = {}
+        for k, v in sent.items():
+            step = np.ones_like(v) * (1.0 + 0.1 * index) if np.issubdtype(v.dtype, np.floating) else np.zeros_like(v)
+            if attack and index == 4:
+                step = step * 100 if attack == "scale" else -step * 10
+            out[k] = (v + step).astype(v.dtype)
+        content = RecordDict({protocol.ARRAYS: protocol.model_to_record(out),
+                              protocol.METRICS: MetricRecord({protocol.NUM_EXAMPLES: 10.0})})
+        for record, spec in strategy.reply_extras(1).items():  # SCAFFOLD's Δc, FedGen's label counts
+            content[record] = protocol.model_to_record(
+                {k: np.full(shape, 10 if record.endswith("counts") else 0.01, dtype) for k, (shape, dtype) in spec.items()})
+        return content
+
+    torch.manual_seed(0)
+    strategy.start(FakeGrid(node, num_nodes=5), protocol.model_to_record(initial), num_rounds=1, final_report=False)
+    models = [strategy.global_model, *(strategy.models or [])]
+    return [np.concatenate([np.ravel(m[k]).astype(np.float64) for k in sorted(m)]) for m in models]
+
+
+@pytest.mark.parametrize("name", sorted(discover("strategy")))
+def test_every_method_passes_every_defence_or_refuses_it(name: str) -> None:
+    """Each defence setting either moves the models of a round with a planted outlier towards
+    those of the same round without it, or is refused when the settings are validated, naming
+    the setting and the method."""
+    honest = run_one_round(name, [], None)
+    attacked = run_one_round(name, [], "scale"), run_one_round(name, [], "flip")
+    for setting_name, (value, *needs), attack in DEFENCES:
+        key = f"strategy.defence.{setting_name}"
+        try:
+            defended = run_one_round(name, [f"{key}={value}", *needs], attack)
+        except ConfigError as err:
+            assert err.key == key and f"strategy={name}" in str(err), err
+            continue
+        undefended = attacked[0] if attack == "scale" else attacked[1]
+        # the stage acts on every model; a robust mean is the mean the method takes (its global model)
+        shown = slice(None) if setting_name != "robust_mean" else slice(0, 1)
+        gap = max(np.abs(d - h).max() for d, h in zip(defended[shown], honest[shown]))
+        before = max(np.abs(u - h).max() for u, h in zip(undefended[shown], honest[shown]))
+        assert gap < before / 2, f"{name} with {key}={value} against {attack}: {gap:.3g} vs {before:.3g} undefended"
