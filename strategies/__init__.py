@@ -8,7 +8,9 @@ The strategy classes work in any Flower app (they need only Flower's message con
 
     from strategies import FedMR, FedCross, FedMut, FedAvg
 
-(any method class is importable from here by its class name).
+Every method class and every client selector of this package is imported here by name and
+listed in ``__all__`` (tests/test_architecture.py checks the list against discovery); a plugin's
+classes are imported from its own package.
 """
 
 from __future__ import annotations
@@ -17,12 +19,51 @@ from typing import Any
 
 from flwr.serverapp.strategy import Strategy
 
-from fedmm.config import as_run, discover
+from fedmm.config import as_run
+from strategies.async_multimodel import AsyncMultiModel, FedCrossAsync, FedMRAsync
+from strategies.asynchronous import AsyncRoundLoop
 from strategies.base import RoundLoopStrategy, StrategySettings
+from strategies.clustered_sampling import ClusteredSelector
+from strategies.fedavg import FedAvg
+from strategies.fedbuff import FedBuff
+from strategies.fedcross import FedCross
+from strategies.feddyn import FedDyn
+from strategies.fedexp import FedExP
+from strategies.fedgen import FedGen
+from strategies.fedmr import FedMR
+from strategies.fedmut import FedMut
 from strategies.heterogeneity import LocalWork
+from strategies.multimodel import MultiModelStrategy
+from strategies.scaffold import Scaffold
 from strategies.selection import ClientSelector, SeededRosterSelector
+from strategies.solo import Solo
 
-__all__ = ["build_strategy", "ClientSelector", "RoundLoopStrategy", "SeededRosterSelector", "StrategySettings"]
+__all__ = [
+    "build_strategy",
+    # the bases a method subclasses
+    "RoundLoopStrategy",
+    "MultiModelStrategy",
+    "AsyncRoundLoop",
+    "AsyncMultiModel",
+    "StrategySettings",
+    # the methods (strategy.name)
+    "FedAvg",
+    "FedBuff",
+    "FedCross",
+    "FedCrossAsync",
+    "FedDyn",
+    "FedExP",
+    "FedGen",
+    "FedMR",
+    "FedMRAsync",
+    "FedMut",
+    "Scaffold",
+    "Solo",
+    # the client selectors (selection)
+    "ClientSelector",
+    "SeededRosterSelector",
+    "ClusteredSelector",
+]
 
 
 def build_strategy(cfg: Any) -> Strategy:
@@ -40,16 +81,3 @@ def build_strategy(cfg: Any) -> Strategy:
         strategy.clock.work = LocalWork.from_run(run)
     return strategy
 
-
-def __getattr__(name: str) -> Any:
-    """``from strategies import FedMR``: any declared method class, or selector, by its name."""
-    import inspect
-
-    for group in ("strategy", "selection"):
-        discover(group)
-    import sys
-
-    for module_name, module in list(sys.modules.items()):
-        if module_name.startswith("strategies.") and hasattr(module, name) and inspect.isclass(getattr(module, name)):
-            return getattr(module, name)
-    raise AttributeError(f"module 'strategies' has no attribute {name!r}")
