@@ -26,7 +26,7 @@ from flwr.app import ConfigRecord, Context, Message
 from flwr.clientapp import ClientApp
 
 from client_app import secure
-from fedmm import protocol
+from fedmm import protocol, secure_protocol
 
 app = ClientApp()
 
@@ -67,26 +67,26 @@ def _secure_train(config: str, context: Context, server_round: int, arrays: prot
     return work.secure_train(client_run(config), context, server_round, arrays)
 
 
-@app.train(protocol.SECURE_KEYS)
+@app.train(secure_protocol.SECURE_KEYS)
 def secure_keys(msg: Message, context: Context) -> Message:
     """Secure recombination: key setup (and training, when the exchange is after it)."""
     return secure.handle(msg, context, _secure_train)
 
 
-@app.train(protocol.SECURE_SEND)
+@app.train(secure_protocol.SECURE_SEND)
 def secure_send(msg: Message, context: Context) -> Message:
     """Secure recombination: settle the last repetition (train first at the start of the
     exchange after training, in ``both`` mode), then stage 1 (send layers)."""
     return secure.handle(msg, context, _secure_train)
 
 
-@app.train(protocol.SECURE_RETURN)
+@app.train(secure_protocol.SECURE_RETURN)
 def secure_return(msg: Message, context: Context) -> Message:
     """Secure recombination: stages 2 and 3 (receive layers, return random ones)."""
     return secure.handle(msg, context, _secure_train)
 
 
-@app.train(protocol.SECURE_UPLOAD)
+@app.train(secure_protocol.SECURE_UPLOAD)
 def secure_upload(msg: Message, context: Context) -> Message:
     """Secure recombination: settle the last repetition (train in ``before`` mode), upload."""
     return secure.handle(msg, context, _secure_train)

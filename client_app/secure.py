@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord
 
-from fedmm import protocol
+from fedmm import protocol, secure_protocol
 from fedmm.layers import layer_units
 from fedmm.protocol import ModelDict
 from fedmm.secure import LayerCodec, NodeExchange, Sealed, SecureError, step_number, upload_step
@@ -54,17 +54,17 @@ def load(context: Context, server_round: int, run_id: int) -> NodeExchange:
 
 def codec_for(settings: Mapping[str, Any], model: ModelDict) -> LayerCodec:
     spec = {key: (value.shape, value.dtype) for key, value in model.items()}
-    return LayerCodec(spec, layer_units(list(model), str(settings[protocol.SECURE_GRANULARITY])), bool(settings[protocol.SECURE_PAD]))
+    return LayerCodec(spec, layer_units(list(model), str(settings[secure_protocol.SECURE_GRANULARITY])), bool(settings[secure_protocol.SECURE_PAD]))
 
 
 def incoming(msg: Message) -> list[Sealed]:
     """The ciphertexts of ``secure-in`` with their senders and sequence numbers."""
-    settings = msg.content[protocol.SECURE]
-    if protocol.SECURE_IN not in msg.content:
+    settings = msg.content[secure_protocol.SECURE]
+    if secure_protocol.SECURE_IN not in msg.content:
         return []
-    record = msg.content[protocol.SECURE_IN]
-    sources = [str(src) for src in settings.get(protocol.SECURE_IN_SRC, [])]
-    seqs = [int(seq) for seq in settings.get(protocol.SECURE_IN_SEQ, [])]
+    record = msg.content[secure_protocol.SECURE_IN]
+    sources = [str(src) for src in settings.get(secure_protocol.SECURE_IN_SRC, [])]
+    seqs = [int(seq) for seq in settings.get(secure_protocol.SECURE_IN_SEQ, [])]
     names = list(record.keys())
     if not len(names) == len(sources) == len(seqs):
         raise SecureError(f"{len(names)} ciphertexts for {len(sources)} senders and {len(seqs)} sequence numbers")
@@ -74,8 +74,8 @@ def incoming(msg: Message) -> list[Sealed]:
 def outgoing(out: list[Sealed]) -> dict[str, Any]:
     """Reply records carrying sealed layers for the server to relay."""
     arrays = ArrayRecord({str(i): protocol.encode_array(np.frombuffer(ct, dtype=np.uint8)) for i, (_, _, ct) in enumerate(out)})
-    config = ConfigRecord({protocol.SECURE_OUT_DST: [dst for dst, _, _ in out], protocol.SECURE_OUT_SEQ: [seq for _, seq, _ in out]})
-    return {protocol.SECURE_OUT: arrays, protocol.SECURE: config}
+    config = ConfigRecord({secure_protocol.SECURE_OUT_DST: [dst for dst, _, _ in out], secure_protocol.SECURE_OUT_SEQ: [seq for _, seq, _ in out]})
+    return {secure_protocol.SECURE_OUT: arrays, secure_protocol.SECURE: config}
 
 
 def _train(node: NodeExchange, config: str, context: Context, server_round: int, train_fn: TrainFn) -> None:
@@ -84,7 +84,7 @@ def _train(node: NodeExchange, config: str, context: Context, server_round: int,
 
 
 def _settle(node: NodeExchange, msg: Message, settings: Mapping[str, Any], codec: LayerCodec) -> None:
-    if bool(settings.get(protocol.SECURE_ROLLBACK, False)):
+    if bool(settings.get(secure_protocol.SECURE_ROLLBACK, False)):
         node.rollback()
     elif node.phase == "returned":
         node.assemble(incoming(msg), codec)
@@ -97,49 +97,49 @@ def handle(msg: Message, context: Context, train_fn: TrainFn) -> Message:
     action = msg.metadata.message_type.partition(".")[2]
     config = protocol.run_config_text(msg)
     server_round = protocol.server_round(msg)
-    settings = msg.content[protocol.SECURE]
+    settings = msg.content[secure_protocol.SECURE]
     run_id = int(msg.metadata.run_id)
-    if action == protocol.SECURE_KEYS:
+    if action == secure_protocol.SECURE_KEYS:
         model = protocol.record_to_model(msg.content[protocol.ARRAYS], copy=True)
         node = NodeExchange.start(run_id, server_round, str(context.node_id), model)
-        if bool(settings.get(protocol.SECURE_TRAIN, False)):
+        if bool(settings.get(secure_protocol.SECURE_TRAIN, False)):
             _train(node, config, context, server_round, train_fn)
         save(context, node)
-        return protocol.reply_message(msg, {protocol.SECURE: ConfigRecord({protocol.SECURE_PUBLIC_KEY: node.public})})
+        return protocol.reply_message(msg, {secure_protocol.SECURE: ConfigRecord({secure_protocol.SECURE_PUBLIC_KEY: node.public})})
     node = load(context, server_round, run_id)
     codec = codec_for(settings, node.model)
-    exchange = str(settings[protocol.SECURE_EXCHANGE])
-    attempt = int(settings[protocol.SECURE_ATTEMPT])
-    if action == protocol.SECURE_SEND:
-        repetition = int(settings[protocol.SECURE_REP])
+    exchange = str(settings[secure_protocol.SECURE_EXCHANGE])
+    attempt = int(settings[secure_protocol.SECURE_ATTEMPT])
+    if action == secure_protocol.SECURE_SEND:
+        repetition = int(settings[secure_protocol.SECURE_REP])
         node.advance(step_number(exchange, attempt, repetition, 1), f"stage 1 of repetition {repetition}")
         _settle(node, msg, settings, codec)
-        if bool(settings.get(protocol.SECURE_TRAIN, False)):
+        if bool(settings.get(secure_protocol.SECURE_TRAIN, False)):
             _train(node, config, context, server_round, train_fn)
         if repetition == 1:
-            peers = dict(zip(map(str, settings[protocol.SECURE_PEERS]), map(bytes, settings[protocol.SECURE_PUBLIC_KEYS])))
+            peers = dict(zip(map(str, settings[secure_protocol.SECURE_PEERS]), map(bytes, settings[secure_protocol.SECURE_PUBLIC_KEYS])))
             node.begin(exchange, attempt, peers)
         elif (exchange, attempt) != (node.exchange, node.attempt):
             raise SecureError(f"node {node.node}: repetition {repetition} of an attempt that did not start here")
-        out = node.send(repetition, int(settings[protocol.SECURE_MIN_LAYERS]), int(settings[protocol.SECURE_MAX_LAYERS]), codec)
+        out = node.send(repetition, int(settings[secure_protocol.SECURE_MIN_LAYERS]), int(settings[secure_protocol.SECURE_MAX_LAYERS]), codec)
         save(context, node)
         return protocol.reply_message(msg, outgoing(out))
-    if action == protocol.SECURE_RETURN:
-        repetition = int(settings[protocol.SECURE_REP])
+    if action == secure_protocol.SECURE_RETURN:
+        repetition = int(settings[secure_protocol.SECURE_REP])
         node.advance(step_number(exchange, attempt, repetition, 2), f"stage 2 of repetition {repetition}")
         if (exchange, attempt, repetition) != (node.exchange, node.attempt, node.repetition):
             raise SecureError(f"node {node.node}: stage 2 of repetition {repetition}, but stage 1 was of repetition {node.repetition}")
         out = node.receive_and_return(incoming(msg), codec)
         save(context, node)
         return protocol.reply_message(msg, outgoing(out))
-    if action == protocol.SECURE_UPLOAD:
+    if action == secure_protocol.SECURE_UPLOAD:
         node.advance(upload_step(exchange, attempt), "the upload")
         _settle(node, msg, settings, codec)
-        if bool(settings.get(protocol.SECURE_TRAIN, False)):
+        if bool(settings.get(secure_protocol.SECURE_TRAIN, False)):
             _train(node, config, context, server_round, train_fn)
         save(context, node)  # the snapshot stays: a failed upload elsewhere rolls this one back
         # not the padding it sealed: a per-node count of padding would tell the server the real
         # sizes, hence the layers, that the padding hides
-        metrics = {**node.metrics, protocol.SECURE_BYTES_SEALED: float(node.bytes_sealed)}
+        metrics = {**node.metrics, secure_protocol.SECURE_BYTES_SEALED: float(node.bytes_sealed)}
         return protocol.reply_message(msg, {protocol.ARRAYS: protocol.model_to_record(node.model), protocol.METRICS: MetricRecord(metrics)})
     raise SecureError(f"unknown secure-recombination action {action!r}")

@@ -19,7 +19,8 @@ query (``MessageType.QUERY``) — optional capability
     handler answers with an error; the server then orders that node by its node id.
 
 The first three names (``arrays``, ``config``, ``metrics``, ``num-examples``) are Flower's own
-conventions, so the strategies work with any ClientApp that follows Flower's quickstart.
+conventions, so the strategies work with any ClientApp that follows Flower's quickstart. The
+names of FedMR's secure recombination live beside its code, in :mod:`fedmm.secure_protocol`.
 """
 
 from __future__ import annotations
@@ -51,40 +52,6 @@ STATE_PENDING = "fedmm-pending"
 #: Train config: the last round whose train reply of this node the server accepted (0: none).
 ACCEPTED_ROUND = "accepted-round"
 
-#: Message actions of FedMR's secure recombination (``train.<action>``, see :mod:`fedmm.secure`):
-#: key setup (with the dispatched model), stage 1 (send), stages 2-3 (receive, return), upload.
-SECURE_KEYS = "secure_keys"
-SECURE_SEND = "secure_send"
-SECURE_RETURN = "secure_return"
-SECURE_UPLOAD = "secure_upload"
-#: ConfigRecord of every secure-recombination message and reply (its keys below).
-SECURE = "secure"
-#: ArrayRecord of ciphertexts (uint8 arrays named "0", "1", ...) delivered to a node.
-SECURE_IN = "secure-in"
-#: ArrayRecord of ciphertexts a node hands the server to relay (same naming).
-SECURE_OUT = "secure-out"
-#: ``secure`` keys, server → node: the settings, the step, the keys of the participants.
-SECURE_MODE = "mode"
-SECURE_EXCHANGE = "exchange"
-SECURE_ATTEMPT = "attempt"
-SECURE_REP = "repetition"
-SECURE_MIN_LAYERS = "min-layers"
-SECURE_MAX_LAYERS = "max-layers"
-SECURE_PAD = "pad"
-SECURE_GRANULARITY = "granularity"
-SECURE_TRAIN = "train"
-SECURE_ROLLBACK = "rollback"
-SECURE_PEERS = "peers"
-SECURE_PUBLIC_KEYS = "public-keys"
-#: ``secure`` keys naming the ciphertexts of ``secure-in`` (sender, sequence number) and of
-#: ``secure-out`` (receiver, sequence number), aligned with the arrays' order.
-SECURE_IN_SRC = "in-src"
-SECURE_IN_SEQ = "in-seq"
-SECURE_OUT_DST = "out-dst"
-SECURE_OUT_SEQ = "out-seq"
-#: ``secure`` key of a ``secure_keys`` reply: the node's ephemeral X25519 public key (32 bytes).
-SECURE_PUBLIC_KEY = "public-key"
-
 #: Reply metrics of the training loop itself. Every other reply metric (a client objective's own:
 #: a contrastive loss, the age of a client's state, ...) is logged by the server per round: the mean
 #: over the accepted replies, in ``metrics.jsonl`` with ``_`` for ``-``.
@@ -110,9 +77,6 @@ NODE_KEY = "node-key"
 ROSTER_EXAMPLES = "fedmm-roster-examples"
 #: Node config key (``--node-config``) of a deployed SuperNode: the folder of its own dataset.
 DATA_PATH_KEY = "data-path"
-#: ``metrics`` of a secure-recombination upload: ciphertext bytes the node sealed this round,
-#: and the padding among them.
-SECURE_BYTES_SEALED = "secure-bytes-sealed"
 
 #: ``metrics`` of a reply: examples the client trained / evaluated on (Flower's convention).
 NUM_EXAMPLES = "num-examples"

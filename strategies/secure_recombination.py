@@ -44,7 +44,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
-from fedmm import protocol
+from fedmm import protocol, secure_protocol
 from fedmm.errors import ConfigError
 from fedmm.settings import Bool, Choice, Int, Nullable, Settings, setting
 from fedmm.layers import layer_units
@@ -197,11 +197,11 @@ class SecureRecombination:
         units = layer_units(list(s.spec), granularity)
         low, high = self.layer_bounds(len(units))
         settings = {
-            protocol.SECURE_MODE: self.mode,
-            protocol.SECURE_GRANULARITY: granularity,
-            protocol.SECURE_PAD: self.pad,
-            protocol.SECURE_MIN_LAYERS: low,
-            protocol.SECURE_MAX_LAYERS: high,
+            secure_protocol.SECURE_MODE: self.mode,
+            secure_protocol.SECURE_GRANULARITY: granularity,
+            secure_protocol.SECURE_PAD: self.pad,
+            secure_protocol.SECURE_MIN_LAYERS: low,
+            secure_protocol.SECURE_MAX_LAYERS: high,
         }
         rnd = _Round(
             server_round, {**dict(config), protocol.SERVER_ROUND: server_round}, node_ids,
@@ -237,13 +237,13 @@ class SecureRecombination:
         extra: dict[str, Any] = {}
         settle = {}
         if node in rnd.rollback:
-            settle[protocol.SECURE_ROLLBACK] = True
+            settle[secure_protocol.SECURE_ROLLBACK] = True
         elif node in rnd.deliver:
             relayed = rnd.deliver[node]
-            extra[protocol.SECURE_IN] = ArrayRecord({str(i): array for i, (_, _, array) in enumerate(relayed)})
-            settle[protocol.SECURE_IN_SRC] = [str(src) for src, _, _ in relayed]
-            settle[protocol.SECURE_IN_SEQ] = [seq for _, seq, _ in relayed]
-        extra[protocol.SECURE] = ConfigRecord({**self._settings, **settle, **secure})
+            extra[secure_protocol.SECURE_IN] = ArrayRecord({str(i): array for i, (_, _, array) in enumerate(relayed)})
+            settle[secure_protocol.SECURE_IN_SRC] = [str(src) for src, _, _ in relayed]
+            settle[secure_protocol.SECURE_IN_SEQ] = [seq for _, seq, _ in relayed]
+        extra[secure_protocol.SECURE] = ConfigRecord({**self._settings, **settle, **secure})
         arrays = protocol.model_to_record(self.dispatched[node]) if with_model else None
         return protocol.server_message(protocol.train_action(action), node, config, arrays, extra)
 
@@ -274,11 +274,11 @@ class SecureRecombination:
         return replies
 
     def _keys(self, rnd: _Round) -> None:
-        secure = {protocol.SECURE_TRAIN: self.mode == "after"}
-        replies = self._send(rnd, [self._message(rnd, protocol.SECURE_KEYS, node, secure, with_model=True) for node in rnd.alive])
+        secure = {secure_protocol.SECURE_TRAIN: self.mode == "after"}
+        replies = self._send(rnd, [self._message(rnd, secure_protocol.SECURE_KEYS, node, secure, with_model=True) for node in rnd.alive])
         for node, reply in replies.items():
             try:
-                value = reply.content[protocol.SECURE][protocol.SECURE_PUBLIC_KEY]
+                value = reply.content[secure_protocol.SECURE][secure_protocol.SECURE_PUBLIC_KEY]
                 if not isinstance(value, bytes):
                     raise TypeError(f"a {type(value).__name__}, not bytes")
                 key = bytes(value)
@@ -321,20 +321,20 @@ class SecureRecombination:
     def _repetitions(self, rnd: _Round, exchange: str, attempt: int) -> bool:
         """Run the r_s repetitions of one attempt; True when a participant failed."""
         participants = list(rnd.alive)
-        peers = {protocol.SECURE_PEERS: [str(n) for n in participants], protocol.SECURE_PUBLIC_KEYS: [rnd.keys[n] for n in participants]}
+        peers = {secure_protocol.SECURE_PEERS: [str(n) for n in participants], secure_protocol.SECURE_PUBLIC_KEYS: [rnd.keys[n] for n in participants]}
         for repetition in range(1, self.repetitions + 1):
-            secure = {protocol.SECURE_EXCHANGE: exchange, protocol.SECURE_ATTEMPT: attempt, protocol.SECURE_REP: repetition}
+            secure = {secure_protocol.SECURE_EXCHANGE: exchange, secure_protocol.SECURE_ATTEMPT: attempt, secure_protocol.SECURE_REP: repetition}
             if repetition == 1:
                 secure.update(peers)
-                secure[protocol.SECURE_TRAIN] = rnd.train_pending
-            replies = self._send(rnd, [self._message(rnd, protocol.SECURE_SEND, node, secure) for node in participants])
+                secure[secure_protocol.SECURE_TRAIN] = rnd.train_pending
+            replies = self._send(rnd, [self._message(rnd, secure_protocol.SECURE_SEND, node, secure) for node in participants])
             rnd.train_pending = False
             routed = self._route(rnd, replies, participants, exchange, attempt, repetition, SEND, expected=None)
             if routed is None:
                 return True
             sent_counts = {dst: _counts(items) for dst, items in routed.items()}
             rnd.deliver = routed
-            replies = self._send(rnd, [self._message(rnd, protocol.SECURE_RETURN, node, secure) for node in participants])
+            replies = self._send(rnd, [self._message(rnd, secure_protocol.SECURE_RETURN, node, secure) for node in participants])
             returned = self._route(rnd, replies, participants, exchange, attempt, repetition, RETURN, expected=sent_counts)
             if returned is None:
                 return True
@@ -355,10 +355,10 @@ class SecureRecombination:
                 continue
             reply = replies[node]
             try:
-                secure = reply.content[protocol.SECURE]
-                record = reply.content[protocol.SECURE_OUT]
-                dsts = [int(d) for d in secure[protocol.SECURE_OUT_DST]]
-                seqs = [int(q) for q in secure[protocol.SECURE_OUT_SEQ]]
+                secure = reply.content[secure_protocol.SECURE]
+                record = reply.content[secure_protocol.SECURE_OUT]
+                dsts = [int(d) for d in secure[secure_protocol.SECURE_OUT_DST]]
+                seqs = [int(q) for q in secure[secure_protocol.SECURE_OUT_SEQ]]
                 arrays = list(record.values())
                 if not len(dsts) == len(seqs) == len(arrays):
                     raise ValueError(f"{len(arrays)} ciphertexts for {len(dsts)} receivers and {len(seqs)} sequence numbers")
@@ -394,8 +394,8 @@ class SecureRecombination:
         """The models, through the strategy's reply checks. Not ``final``: True when a node
         failed (the accepted models are discarded: the exchange is retried)."""
         s = self._strategy
-        secure = {protocol.SECURE_EXCHANGE: exchange, protocol.SECURE_ATTEMPT: attempt, protocol.SECURE_TRAIN: rnd.train_pending}
-        messages = {node: self._message(rnd, protocol.SECURE_UPLOAD, node, secure) for node in rnd.alive}
+        secure = {secure_protocol.SECURE_EXCHANGE: exchange, secure_protocol.SECURE_ATTEMPT: attempt, secure_protocol.SECURE_TRAIN: rnd.train_pending}
+        messages = {node: self._message(rnd, secure_protocol.SECURE_UPLOAD, node, secure) for node in rnd.alive}
         rnd.train_pending = False
         placeholder = {slot: SimpleNamespace(message_id=f"secure-dropped-{slot}", dst_node_id=node) for slot, node in enumerate(rnd.node_ids)}
         pending = [messages[node].metadata if node in messages else placeholder[slot] for slot, node in enumerate(rnd.node_ids)]

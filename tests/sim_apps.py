@@ -107,17 +107,17 @@ def engines_client_app() -> ClientApp:
         sys.path.insert(0, bench)
     import faults
 
-    from fedmm import protocol
+    from fedmm import protocol, secure_protocol
 
     app = faults.faulty_client_app()
 
     def seeded(msg: Message, context: Context) -> Message:
         from fedmm import secure as library
 
-        s = msg.content[protocol.SECURE]
+        s = msg.content[secure_protocol.SECURE]
         place = (int(context.node_config["partition-id"]), protocol.server_round(msg), msg.metadata.message_type,
-                 str(s.get(protocol.SECURE_EXCHANGE, "")), int(s.get(protocol.SECURE_ATTEMPT, 0)),
-                 int(s.get(protocol.SECURE_REP, 0)))
+                 str(s.get(secure_protocol.SECURE_EXCHANGE, "")), int(s.get(secure_protocol.SECURE_ATTEMPT, 0)),
+                 int(s.get(secure_protocol.SECURE_REP, 0)))
         saved, library.secrets = library.secrets, _Draws(int.from_bytes(hashlib.sha256(repr(place).encode()).digest()[:8], "big"))
         try:
             return real.secure.handle(msg, context, real._secure_train)

@@ -13,7 +13,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from fedmm import protocol
+from fedmm import protocol, secure_protocol
 from tests.conftest import composed
 from tests.fakes import FakeGrid
 
@@ -180,7 +180,7 @@ def test_evaluate_replies(metrics: dict, error: bool) -> None:
 
 
 # ---------------------------------------------------------------------------- secure phases
-@pytest.mark.parametrize("action", [protocol.SECURE_KEYS, protocol.SECURE_SEND, protocol.SECURE_RETURN, protocol.SECURE_UPLOAD])
+@pytest.mark.parametrize("action", [secure_protocol.SECURE_KEYS, secure_protocol.SECURE_SEND, secure_protocol.SECURE_RETURN, secure_protocol.SECURE_UPLOAD])
 @settings(max_examples=10, deadline=None)
 @given(field=st.sampled_from(["drop-record", "config-value", "swap-record"]), value=config_values)
 def test_secure_phase_replies(action: str, field: str, value: object) -> None:

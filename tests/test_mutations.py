@@ -13,7 +13,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from fedmm import protocol
+from fedmm import protocol, secure_protocol
 from fedmm.secure import PROTOCOL_LABEL, SecureError, keypair, pair_key
 
 
@@ -37,7 +37,7 @@ def test_the_pair_key_is_hkdf_of_the_x25519_secret_which_needs_a_private_key() -
     assert pair_key(c_private, b_public, 3, 7, "11", "5") != key
 
 
-@pytest.mark.parametrize("replayed", [protocol.SECURE_SEND, protocol.SECURE_RETURN, protocol.SECURE_UPLOAD])
+@pytest.mark.parametrize("replayed", [secure_protocol.SECURE_SEND, secure_protocol.SECURE_RETURN, secure_protocol.SECURE_UPLOAD])
 def test_the_client_refuses_a_replayed_secure_message(replayed: str) -> None:
     """A replayed (or reordered) message would make the node seal again with nonces it used:
     the client's handler refuses every secure action that does not follow the last one."""

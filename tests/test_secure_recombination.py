@@ -14,7 +14,7 @@ import pytest
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 
 from client_app import secure as client_secure
-from fedmm import protocol
+from fedmm import protocol, secure_protocol
 from fedmm.secure import RETURN, SEND, Envelope, LayerCodec, NodeExchange, SecureError, keypair, open_sealed, pair_key, seal
 from strategies.fedmr import FedMR
 from strategies.secure_recombination import SecureRecombination
@@ -243,14 +243,14 @@ def test_server_never_sees_a_plaintext_layer() -> None:
                 secret.add(raw)
     relayed = []
     for msg in grid.sent:
-        if protocol.SECURE_IN in msg.content:
-            relayed.extend(protocol.decode_array(a).tobytes() for a in msg.content[protocol.SECURE_IN].values())
+        if secure_protocol.SECURE_IN in msg.content:
+            relayed.extend(protocol.decode_array(a).tobytes() for a in msg.content[secure_protocol.SECURE_IN].values())
     for reply in grid.replies:
         action = reply.metadata.message_type.partition(".")[2]
-        if action != protocol.SECURE_UPLOAD:  # before the upload no reply carries a model
+        if action != secure_protocol.SECURE_UPLOAD:  # before the upload no reply carries a model
             assert protocol.ARRAYS not in reply.content
-        if protocol.SECURE_OUT in reply.content:
-            relayed.extend(protocol.decode_array(a).tobytes() for a in reply.content[protocol.SECURE_OUT].values())
+        if secure_protocol.SECURE_OUT in reply.content:
+            relayed.extend(protocol.decode_array(a).tobytes() for a in reply.content[secure_protocol.SECURE_OUT].values())
     assert len(relayed) > 10
     for payload in relayed:
         for raw in secret:
