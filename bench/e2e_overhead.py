@@ -10,8 +10,8 @@ sequential PyTorch loop in one process that reuses the app's own pieces.
 Both sides do the same work for the same seed: the same initial model, partitions, sampled
 clients (``rng([seed, round]).choice`` over the nodes ordered by partition id, as
 ``strategies.selection.SeededRosterSelector``), local training (``client_app.training.train`` with the
-ClientApp's per-(seed, round, partition) shuffling generator), server arithmetic (FedAvg's
-sample-weighted mean, ``recombine`` for FedMR, ``cross_aggregation`` for FedCross) and central
+ClientApp's per-(seed, round, partition) shuffling generator), the server step (the ``aggregate``
+of the app's own FedAvg, FedMR or FedCross, on the same updates) and central
 evaluation on the test split every round (round 0 included, as ``Strategy.start`` does).
 
 Seconds per round exclude start-up: (seconds at the last round - seconds at round 1) / (rounds - 1),
@@ -98,7 +98,7 @@ def install_phase_marks(ray_engine: bool = True) -> None:
         from strategies.base import RoundLoopStrategy
     except ImportError:
         return
-    around(runner, "_run_locked", "server_main", None)
+    around(runner, "run_locked", "server_main", None)
     around(RoundLoopStrategy, "start", "strategy_start", "strategy_end")
     around(RoundLoopStrategy, "run_round", None, "round_{}_end", per_round=True)
 
@@ -164,7 +164,7 @@ def compose_cfg(args: argparse.Namespace, strategy: str, client_cpus: float | No
     return cfg
 
 
-#: Methods whose server step the plain loop implements (others get FedAvg's, see ``main``).
+#: Methods whose own server step (their strategy's ``aggregate``) the plain loop runs (others get FedAvg's, see ``main``).
 PLAIN_SERVER_STEPS = ("fedavg", "fedmr", "fedcross")
 
 #: Benchmark shapes: the app's default config, and the seed papers' experiments (FedMR / FedCross:
@@ -265,7 +265,7 @@ def instrument_server() -> ServerTimers:
         return timers
     cls.configure_train = timed("configure_train", cls.configure_train, sets_round=True)
     cls.finish_train = timed("aggregate_train", cls.finish_train)
-    SeededRosterSelector._query_keys = timed("roster_query", SeededRosterSelector._query_keys)
+    SeededRosterSelector.query_keys = timed("roster_query", SeededRosterSelector.query_keys)
     experiment.evaluate_model = timed("central_evaluate", experiment.evaluate_model)
     send = cls.send
     accept_reply = cls.accept_reply
@@ -339,63 +339,6 @@ def _load(model: Any, state: dict[str, Any]) -> None:
     model.load_state_dict({k: torch.from_numpy(np.array(v, copy=True)) for k, v in state.items()}, strict=True)
 
 
-def fedavg_mean(models: list[dict[str, Any]], weights: list[float]) -> dict[str, Any]:
-    """Flower's ``aggregate_arrayrecords`` arithmetic, then the app's cast back to each dtype."""
-    import numpy as np
-
-    total = sum(weights)
-    out: dict[str, Any] = {}
-    for model, w in zip(models, [w / total for w in weights]):
-        for key, value in model.items():
-            if key not in out:
-                out[key] = value * w
-            else:
-                out[key] += value * w
-    for key, first in models[0].items():
-        if out[key].dtype != first.dtype:
-            out[key] = np.rint(out[key]).astype(first.dtype) if np.issubdtype(first.dtype, np.integer) else out[key].astype(first.dtype)
-    return out
-
-
-class MultiModelUpdate:
-    """``update_models`` of FedMR / FedCross written with the app's pure functions."""
-
-    def __init__(self, cfg: dict[str, Any]) -> None:
-        import numpy as np
-
-        self.s = cfg["strategy"]
-        self.k = int(cfg["clients_per_round"])
-        self.rng = np.random.default_rng([int(cfg["seed"]), 0x5EED])  # as MultiModelStrategy
-
-    def __call__(self, server_round: int, models: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        from strategies.aggregation import mean_models
-
-        s, k = self.s, self.k
-        first = int(s.get("first_stage_rounds", 0))
-        if server_round <= first:
-            return [mean_models(models)] * k
-        if s["name"] == "fedmr":
-            from strategies.recombination import recombine, segments_for_ratio
-
-            return recombine(models, self.rng, s.get("granularity", "tensor"), segments_for_ratio(s.get("partition_ratio")))
-        from strategies.cross_aggregation import (
-            collaborative_models,
-            cross_aggregate,
-            dynamic_alpha,
-            model_similarity,
-            propellers,
-        )
-
-        prop = int(s.get("propeller_rounds", 0))
-        if server_round <= first + prop:
-            return cross_aggregate(models, propellers(k, int(s.get("num_propellers", 2))), float(s.get("propeller_alpha", 0.5)))
-        selection = s.get("selection", "lowest-similarity")
-        sim = None if selection == "in-order" else model_similarity(models, s.get("similarity", "model"))
-        partners = collaborative_models(sim, selection, server_round, k)
-        alpha = dynamic_alpha(server_round, float(s.get("alpha", 0.99)), int(s.get("dynamic_alpha_rounds", 0)), start_round=first + prop)
-        return cross_aggregate(models, partners, alpha)
-
-
 def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
     """The same rounds as a plain sequential loop in this process."""
     import numpy as np
@@ -409,8 +352,9 @@ def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
     from fedmm.data import input_spec, load_dataset, load_partition, partition_indices
     from fedmm.evaluation import evaluate, resolve_device
     from fedmm.models import model_for
+    from fedmm.protocol import ClientUpdate
     from server_app.runner import seed_everything
-    from strategies.aggregation import mean_models
+    from strategies import FedAvg, build_strategy
 
     mark("imports")
     cfg = spec["cfg"]
@@ -433,7 +377,10 @@ def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
     # (SCAFFOLD's c, FedGen's generator), so that stateful objectives do their full work
     states = {pid: RecordDict() for pid in range(n)}
     content = content_for(cfg, client_model)
-    update = MultiModelUpdate(cfg) if name in ("fedmr", "fedcross") else None  # else FedAvg's weighted mean
+    # the server step is the app's own strategy's (FedAvg's for a method the loop does not run)
+    strategy = build_strategy(cfg) if name in PLAIN_SERVER_STEPS else FedAvg(k, seed)
+    strategy.log_model_cosine = False  # a logged metric, not the method: the plain loop never computed it
+    strategy.initialize(initial)
     setup = time.perf_counter() - setup_start
     mark("strategy_start")
 
@@ -451,29 +398,23 @@ def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
             parts["evaluate_s"] += time.perf_counter() - start
 
     global_state = initial
-    pool = [initial] * k
     central_evaluate(0, global_state)
     for server_round in range(1, rounds + 1):
         # SeededRosterSelector.select over the nodes ordered by "partition:%09d", i.e. by partition id.
         sampled = [int(i) for i in np.random.default_rng([seed, server_round]).choice(n, size=k, replace=False)]
         start = time.perf_counter()
-        trained, weights = [], []
+        trained = []
         for index, pid in enumerate(sampled):
-            _load(client_model, global_state if update is None else pool[index])
+            _load(client_model, strategy.models[strategy.model_for_slot(index)])
             data = load_partition(d, cfg["partition"], pid, n, seed)
             generator = torch.Generator().manual_seed(hash((seed, server_round, pid)) % (2**63))
             local = build_local_update(cfg, states[pid], content)
             local.node = pid
             metrics = train(client_model, data, local, local.run.training, server_round, generator, device)
             local.end(client_model)
-            trained.append(_to_numpy(client_model))
-            weights.append(float(metrics["num-examples"]))
+            trained.append(ClientUpdate(pid, index, _to_numpy(client_model), float(metrics["num-examples"]), dict(metrics)))
         mid = time.perf_counter()
-        if update is None:
-            global_state = fedavg_mean(trained, weights)
-        else:
-            global_state = mean_models(trained)
-            pool = update(server_round, trained)
+        global_state = strategy.aggregate(server_round, trained)
         end = time.perf_counter()
         if server_round >= 2:
             parts["train_s"] += mid - start

@@ -345,22 +345,15 @@ def run_theirs(spec: dict[str, Any], workdir: Path, timeout: float | None) -> di
 
 
 def _interface_class() -> type:
-    from torch import nn
-
     from fedmm.models.layered import LayeredModel
 
-    class TheirInterface(nn.Module):
+    class TheirInterface(LayeredModel):
         """Our network with their calling convention (patch ``model_interface``): the same
-        parameters and state_dict keys (``layers.*``); forward returns ``{'output': logits,
+        blocks, parameters and state_dict keys (``layers.*``); forward returns ``{'output': logits,
         'representation': latent}``; ``start_layer_idx < 0`` feeds a latent to the classifier."""
 
-        _classifier = LayeredModel._classifier
-        latent = LayeredModel.latent
-        classify = LayeredModel.classify
-
         def __init__(self, net: LayeredModel) -> None:
-            super().__init__()
-            self.layers = net.layers
+            super().__init__(net.layers)
 
         def forward(self, x, start_layer_idx=0, logit=False):  # noqa: ANN001, ANN201 - their signature
             z = x if start_layer_idx < 0 else self.latent(x)
@@ -406,6 +399,12 @@ def authors_driver(spec_file: str) -> None:
         args.ensemble_alpha = 0.2
         applied.append("ensemble_alpha")
     main_fed.args = args  # FedAvg, FedProx and ClusteredSampling read the module-global args
+    # Our architecture, built from the run config (its weights come from initial_state below);
+    # before their seeding, so that building it draws nothing from their random streams.
+    from fedmm.data import input_spec
+    from fedmm.models import model_for
+
+    ours = model_for(spec["run_config"], input_spec(spec["run_config"]["dataset"]))
     main_fed.set_random_seed(args.seed)
 
     data = torch.load(spec["data"], weights_only=True)
@@ -428,7 +427,6 @@ def authors_driver(spec_file: str) -> None:
     part = json.loads(Path(spec["partition"]).read_text())
     dict_users = {int(k): v for k, v in part["train_data"].items()}
 
-    ours = torch.load(spec["model"], weights_only=False)
     net = _interface_class()(ours)
     applied.append("model_interface")
     net.load_state_dict(torch.load(spec["initial_state"], weights_only=True))
@@ -546,16 +544,15 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                                f"num_rounds={args.rounds}", f"seed={seed}", "eval_every=10",
                                f"output_dir={workdir / name / f'ours_s{seed}'}"])
             model = initial_model(cfg)
-            model_file, state_file = workdir / "model.pt", workdir / name / f"initial_s{seed}.pt"
+            state_file = workdir / name / f"initial_s{seed}.pt"
             state_file.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(model, model_file)
-            torch.save(model.state_dict(), state_file)
+            torch.save(model.state_dict(), state_file)  # tensors only: read back with weights_only=True
             print(f"parity: {name} seed {seed}: theirs ...", flush=True)
             try:
                 if "theirs" not in args.sides:
                     raise _Skipped
                 run["theirs"] = run_theirs({"authors": str(authors), "flags": their_flags(args, method, seed),
-                                            "data": str(data), "partition": str(partition), "model": str(model_file),
+                                            "data": str(data), "partition": str(partition), "run_config": cfg,
                                             "initial_state": str(state_file), "threads": args.their_threads},
                                            workdir / name / f"theirs_s{seed}", args.timeout)
             except _Skipped:

@@ -178,7 +178,7 @@ class Holdings:
             return 0
         try:
             models = list(strategy.models or []) + [strategy.global_model or {}]
-            models += [u.model for u in list(strategy._round_updates) + list(self.aggregating)]
+            models += [u.model for u in strategy.accepted_updates() + list(self.aggregating)]
             return self._arrays_bytes(models, set())
         except Exception:  # noqa: BLE001 - a container changed while it was read (or an older strategy): skip
             return 0
@@ -187,10 +187,10 @@ class Holdings:
         total = 0
         for grid in list(self.grids):
             try:
-                pending = list(grid._pending.values())
-            except RuntimeError:
-                pending = []
-            messages = [m for p in pending for m in (p.message, p.reply) if m is not None] + list(grid.in_hand)
+                held = grid.held_messages()
+            except RuntimeError:  # the grid's table changed while it was read: skip it this time
+                held = []
+            messages = held + list(grid.in_hand)
             for msg in messages:
                 try:
                     if msg.has_content():
@@ -242,22 +242,24 @@ def watch_holdings(holdings: Holdings, ray_engine: bool = True) -> None:
     if not ray_engine:
         from fedmm import local_engine
 
-        grid_init, handle = local_engine.LocalGrid.__init__, local_engine.LocalGrid._handle
+        grid_init = local_engine.LocalGrid.__init__
 
         def grid_init_and_watch(self: Any, *args: Any, **kwargs: Any) -> None:
             grid_init(self, *args, **kwargs)
             self.in_hand = []  # the copy the ClientApp in training got
             holdings.grids.append(self)
+            client_app = self.client_app  # the grid calls it as client_app(message, context)
 
-        def handle_and_watch(self: Any, metadata: Any, delivered: Any) -> Any:
-            self.in_hand = [delivered]
-            try:
-                return handle(self, metadata, delivered)
-            finally:
-                self.in_hand = []
+            def client_app_and_watch(message: Any, context: Any) -> Any:
+                self.in_hand = [message]
+                try:
+                    return client_app(message, context)
+                finally:
+                    self.in_hand = []
+
+            self.client_app = client_app_and_watch
 
         local_engine.LocalGrid.__init__ = grid_init_and_watch
-        local_engine.LocalGrid._handle = handle_and_watch
         return
     from flwr.server.superlink.linkstate import in_memory_linkstate
 

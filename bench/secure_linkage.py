@@ -176,7 +176,7 @@ class Harness:
         self.trained: dict[int, dict[str, np.ndarray]] = {}
 
     def _train(self, cfg, context, server_round, model):  # noqa: ANN001, ANN202
-        out, metrics = self.real._secure_train(cfg, context, server_round, model)
+        out, metrics = self.real.secure_train(cfg, context, server_round, model)
         self.trained[int(context.node_id)] = out
         return out, metrics
 

@@ -60,7 +60,9 @@ def train_batch(messages: Sequence[Message], contexts: Sequence[Context]) -> lis
     return vectorized.train_messages(messages, contexts)
 
 
-def _secure_train(config: str, context: Context, server_round: int, arrays: protocol.ModelDict) -> tuple[protocol.ModelDict, dict[str, float]]:
+def secure_train(config: str, context: Context, server_round: int, arrays: protocol.ModelDict) -> tuple[protocol.ModelDict, dict[str, float]]:
+    """The local training inside a secure-recombination exchange (the ``train_fn`` argument of
+    :func:`client_app.secure.handle`): ``arrays`` trained with the run config ``config`` (JSON)."""
     from client_app import work
     from fedmm.config import client_run
 
@@ -70,26 +72,26 @@ def _secure_train(config: str, context: Context, server_round: int, arrays: prot
 @app.train(secure_protocol.SECURE_KEYS)
 def secure_keys(msg: Message, context: Context) -> Message:
     """Secure recombination: key setup (and training, when the exchange is after it)."""
-    return secure.handle(msg, context, _secure_train)
+    return secure.handle(msg, context, secure_train)
 
 
 @app.train(secure_protocol.SECURE_SEND)
 def secure_send(msg: Message, context: Context) -> Message:
     """Secure recombination: settle the last repetition (train first at the start of the
     exchange after training, in ``both`` mode), then stage 1 (send layers)."""
-    return secure.handle(msg, context, _secure_train)
+    return secure.handle(msg, context, secure_train)
 
 
 @app.train(secure_protocol.SECURE_RETURN)
 def secure_return(msg: Message, context: Context) -> Message:
     """Secure recombination: stages 2 and 3 (receive layers, return random ones)."""
-    return secure.handle(msg, context, _secure_train)
+    return secure.handle(msg, context, secure_train)
 
 
 @app.train(secure_protocol.SECURE_UPLOAD)
 def secure_upload(msg: Message, context: Context) -> Message:
     """Secure recombination: settle the last repetition (train in ``before`` mode), upload."""
-    return secure.handle(msg, context, _secure_train)
+    return secure.handle(msg, context, secure_train)
 
 
 @app.evaluate()

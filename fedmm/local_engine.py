@@ -355,6 +355,13 @@ class LocalGrid(Grid):
         """The ``Context`` node ``node_id`` keeps across rounds."""
         return self._contexts[node_id]
 
+    def held_messages(self) -> list[Message]:
+        """The messages the grid holds now: pushed ones not yet delivered, replies not yet pulled
+        (a ClientApp's own copy of the message it is handling is not among them). May be called
+        from another thread; the list is a snapshot."""
+        pending = list(self._pending.values())
+        return [m for p in pending for m in (p.message, p.reply) if m is not None]
+
     def push_messages(self, messages: Iterable[Message]) -> list[str]:
         """Give each message an id and queue it for its node (see the module docstring)."""
         ids: list[str] = []

@@ -127,10 +127,12 @@ class SeededRosterSelector(ClientSelector):
         self.last_connected = len(node_ids)
         unknown = [n for n in node_ids if n not in self._keys]
         if unknown:
-            self._keys.update(self._query_keys(grid, unknown))
+            self._keys.update(self.query_keys(grid, unknown))
         return sorted(node_ids, key=lambda n: (self._keys[n], n))
 
-    def _query_keys(self, grid: Grid, node_ids: list[int]) -> dict[int, str]:
+    def query_keys(self, grid: Grid, node_ids: list[int]) -> dict[int, str]:
+        """Node id -> stable key of ``node_ids``: the roster query's answers (sent in chunks of
+        ``chunk``), ``~node:<id>`` for a node that gives none or when ``query`` is off."""
         keys = {node_id: f"~node:{node_id:020d}" for node_id in node_ids}
         if not self.query:
             if not self._keys:

@@ -32,7 +32,7 @@ def _secure(msg: Message, context: Context) -> Message:
     # partners must roll back and go on without it)
     if int(context.node_config["partition-id"]) == 0 and msg.metadata.message_type.endswith("secure_send"):
         raise RuntimeError("injected failure on partition 0")
-    return real.secure.handle(msg, context, real._secure_train)
+    return real.secure.handle(msg, context, real.secure_train)
 
 
 for _action in ("secure_keys", "secure_send", "secure_return", "secure_upload"):
@@ -120,7 +120,7 @@ def engines_client_app() -> ClientApp:
                  int(s.get(secure_protocol.SECURE_REP, 0)))
         saved, library.secrets = library.secrets, _Draws(int.from_bytes(hashlib.sha256(repr(place).encode()).digest()[:8], "big"))
         try:
-            return real.secure.handle(msg, context, real._secure_train)
+            return real.secure.handle(msg, context, real.secure_train)
         finally:
             library.secrets = saved
 

@@ -55,7 +55,10 @@ def test_the_scale_bench_counts_what_the_strategy_holds_also_while_it_aggregates
     seen_in_aggregate = []
 
     class Strategy:
-        models, global_model, _round_updates = pool, pool[0], []  # the global model shares the pool's bytes
+        models, global_model = pool, pool[0]  # the global model shares the pool's bytes
+
+        def accepted_updates(self):
+            return []
 
         def aggregate(self, server_round, updates):
             seen_in_aggregate.append(holdings.app_bytes())
