@@ -196,3 +196,156 @@ def test_wire_keys_are_defined_only_in_the_protocol_module() -> None:
                 if isinstance(node, ast.Constant) and node.value in wire:
                     bad.append(f"{path.relative_to(REPO)}:{node.lineno} {node.value!r}")
     assert not bad, bad
+
+
+# ============================================================================ explicit exports
+def test_the_strategies_package_exports_by_an_explicit_list() -> None:
+    """strategies/__init__.py imports its names and lists them in a literal ``__all__``: no
+    module ``__getattr__`` that finds a class by scanning the loaded modules."""
+    tree = ast.parse((REPO / "strategies" / "__init__.py").read_text(encoding="utf-8"))
+    functions = [node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    assert "__getattr__" not in functions and "__dir__" not in functions
+    listed = [node.value for node in tree.body
+              if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)]
+    assert len(listed) == 1 and isinstance(listed[0], ast.List), "__all__ must be one literal list"
+    names = [ast.literal_eval(element) for element in listed[0].elts]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+
+
+def test_every_method_and_selector_of_the_package_is_in_all() -> None:
+    """``__all__`` lists every method class that discovery finds in this package, every
+    RoundLoopStrategy subclass with its own ``Settings`` and every ClientSelector subclass of its
+    modules; and each name of ``__all__`` imports in a fresh interpreter."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import strategies
+    from fedmm.config import discover
+    from strategies.base import RoundLoopStrategy
+    from strategies.selection import ClientSelector
+
+    exported = set(strategies.__all__)
+    declared = {cls.strategy_class for cls in discover("strategy").values()}
+    own = {cls for cls in declared if cls.__module__.split(".")[0] == "strategies"}
+    assert {cls.__name__ for cls in own} >= {"FedAvg", "FedMR", "FedCross", "FedMut", "FedBuff"}  # discovery works
+    missing = sorted(cls.__name__ for cls in own if cls.__name__ not in exported)
+    discover("selection")
+    for info in pkgutil.iter_modules(strategies.__path__, prefix="strategies."):
+        module = importlib.import_module(info.name)
+        for name, cls in inspect.getmembers(module, inspect.isclass):
+            if cls.__module__ != module.__name__:
+                continue  # imported there, defined elsewhere
+            method = issubclass(cls, RoundLoopStrategy) and "Settings" in cls.__dict__
+            if (method or issubclass(cls, ClientSelector)) and name not in exported:
+                missing.append(f"{info.name}.{name}")
+    assert not missing, f"not in strategies.__all__: {missing}"
+    code = ("import strategies, sys\n"
+            "for name in strategies.__all__:\n"
+            "    exec(f'from strategies import {name}')\n"
+            "print('imported', len(strategies.__all__))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and f"imported {len(exported)}" in out.stdout, out.stderr[-2000:]
+
+
+# ============================================================================ safe loading
+def python_files() -> list[Path]:
+    """Every .py file of the repository (not the virtual environment's, not git's)."""
+    skip = {".venv", ".git", "__pycache__", "node_modules"}
+    return [p for p in sorted(REPO.rglob("*.py")) if not skip & set(p.relative_to(REPO).parts)]
+
+
+def unsafe_loads(tree: ast.AST) -> list[int]:
+    """Lines of calls that pass ``weights_only`` anything but the literal True (a pickle of
+    arbitrary objects: loading it runs whatever code it names)."""
+    return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Call)
+            for kw in node.keywords if kw.arg == "weights_only" and not (isinstance(kw.value, ast.Constant) and kw.value.value is True)]
+
+
+def test_no_file_of_the_repository_loads_a_pickle_with_weights_only_off() -> None:
+    assert unsafe_loads(ast.parse("torch.load(path, weights_only=False)")) == [1]  # the check sees one
+    bad = [f"{path.relative_to(REPO)}:{line}" for path in python_files()
+           for line in unsafe_loads(ast.parse(path.read_text(encoding="utf-8")))]
+    assert not bad, bad
+
+
+# ============================================================================ the bench's API
+PRODUCT = ("fedmm", "client_app", "server_app", "strategies", "objectives", "launch")
+
+
+def private_product_names() -> set[str]:
+    """Names with one leading underscore that the product defines: functions, classes,
+    module and class attributes, ``self._x`` attributes."""
+    names: set[str] = set()
+    for package in PRODUCT:
+        for path in (REPO / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    names.add(node.name)
+                elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                    for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                        for sub in ast.walk(target):
+                            if isinstance(sub, ast.Name):
+                                names.add(sub.id)
+                            elif isinstance(sub, ast.Attribute):
+                                names.add(sub.attr)
+    return {n for n in names if n.startswith("_") and not n.startswith("__") and n != "_"}
+
+
+def private_uses(tree: ast.AST, private: set[str]) -> list[str]:
+    """Where ``tree`` reaches a private product name: ``x._name`` (``self``/``cls`` aside: a bench
+    class's own), ``from product import _name`` and a string ``"_name"`` (``getattr``, patches)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in private:
+            if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                found.append(f"{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in PRODUCT:
+            found += [f"{node.lineno}: from {node.module} import {a.name}" for a in node.names if a.name in private]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in private:
+            found.append(f"{node.lineno}: {node.value!r}")
+    return found
+
+
+def test_the_bench_uses_no_private_name_of_the_product() -> None:
+    """bench/ measures the product through its public API: a benchmark that patches a private
+    function breaks silently when the product renames it (or times the wrong thing)."""
+    private = private_product_names()
+    assert {"_pending", "_classifier", "_begin_replies"} <= private  # the collector sees defs and self attributes
+    planted = ast.parse("from strategies.base import _x\nstrategy._round_updates\naround(runner, '_begin_replies')")
+    assert len(private_uses(planted, private | {"_x"})) == 3
+    bad = [f"{path.relative_to(REPO)}:{use}" for path in sorted((REPO / "bench").glob("*.py"))
+           for use in private_uses(ast.parse(path.read_text(encoding="utf-8")), private)]
+    assert not bad, bad
+
+
+# ============================================================================ secure names
+def test_the_secure_recombination_names_live_beside_the_secure_code() -> None:
+    """fedmm/protocol.py holds the names every method shares; the secure-recombination names are
+    in fedmm/secure_protocol.py (and nowhere else as a distinctive string literal)."""
+    from fedmm import protocol, secure_protocol
+
+    def constants(path: Path) -> dict[str, object]:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        return {t.id: node.value.value for node in tree.body if isinstance(node, ast.Assign)
+                and isinstance(node.value, ast.Constant) for t in node.targets if isinstance(t, ast.Name)}
+
+    generic = constants(REPO / "fedmm" / "protocol.py")
+    secure = constants(REPO / "fedmm" / "secure_protocol.py")
+    assert len(secure) == 25 and all(name.startswith("SECURE") for name in secure)
+    assert not [name for name in generic if name.startswith("SECURE")], sorted(generic)
+    assert not [name for name in vars(protocol) if name.startswith("SECURE")]
+    assert not set(secure.values()) & {v for v in generic.values() if isinstance(v, str) and "secure" in v}
+    assert {name: getattr(secure_protocol, name) for name in secure} == secure
+    # ("secure" alone is also the name of FedMR's settings group: not distinctive)
+    distinctive = {v for v in secure.values() if "secure" in str(v) and v != "secure"}
+    assert len(distinctive) == 7  # the four actions, secure-in, secure-out, secure-bytes-sealed
+    bad = []
+    for package in (*PACKAGES, "objectives"):
+        for path in (REPO / package).rglob("*.py"):
+            if path == REPO / "fedmm" / "secure_protocol.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.Constant) and node.value in distinctive:
+                    bad.append(f"{path.relative_to(REPO)}:{node.lineno} {node.value!r}")
+    assert not bad, bad
