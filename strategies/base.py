@@ -22,6 +22,7 @@ nothing: the model they were given stays where it was.
 from __future__ import annotations
 
 import io
+import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -141,6 +142,33 @@ class StrategySettings(Settings):
                 f"a fraction > 0 when strategy.fraction_evaluate={self.fraction_evaluate} "
                 "(clients evaluate on held-out rows of their own data, never on what they train on)",
             )
+
+
+class WrapperRefused(RuntimeError):
+    """A strategy of this package was wrapped by a strategy that runs Flower's loop around it."""
+
+
+def refuse_wrapper(strategy: Strategy, caller: Any) -> None:
+    """Raise :class:`WrapperRefused` when ``caller`` (whoever asked ``strategy`` for its summary,
+    as a strategy's ``start`` does) is another Flower strategy: a wrapper drives
+    ``configure_train`` / ``aggregate_train`` from Flower's loop, which none of these methods
+    can be run by correctly, and Flower's DP wrappers would be silently wrong."""
+    if not isinstance(caller, Strategy) or caller is strategy:
+        return
+    name, wrapper = type(strategy).__name__, type(caller).__name__
+    dp = "DifferentialPrivacy" in wrapper
+    raise WrapperRefused(
+        f"{name} cannot run inside {wrapper}: "
+        + (f"the wrapper clips each reply against the one ArrayRecord it hands {name} (not the model that node was "
+           f"sent: {name} keeps its own models, one per node for the multi-model methods) and adds its noise to the "
+           f"arrays {name} returns, while the models {name} sends next round are its own and never noised, so the "
+           "privacy guarantee it reports would not hold. " if dp else
+           f"the wrapper runs Flower's round loop, which skips {name}'s own (checkpoints, multi-phase rounds, its "
+           "models). ")
+        + f"Run {name} unwrapped ({name}.start), bounding each update against the model its node was sent with "
+        "strategy.defence.clip_update_norm or adaptive_clip (no noise: no differential-privacy guarantee); "
+        + ("for differentially private training use Flower's own FedAvg inside the wrapper." if dp else "")
+    )
 
 
 class RunFailed(RuntimeError):
@@ -668,7 +696,15 @@ class RoundLoopStrategy(Strategy):
         return MetricRecord(protocol.weighted_metrics(valid, self.weighted_by_key))
 
     def summary(self) -> None:
-        """Log the strategy's sampling, record keys and settings (after Flower's start lines)."""
+        """Log the strategy's sampling, record keys and settings (after Flower's start lines).
+
+        Called by another strategy's ``start`` (a wrapper such as Flower's ``DifferentialPrivacy*``
+        strategies, which run Flower's own loop around this one), it raises
+        :class:`WrapperRefused` instead: see :func:`refuse_wrapper`."""
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_locals.get("self") is self:  # its own start, a subclass's summary
+            frame = frame.f_back
+        refuse_wrapper(self, frame.f_locals.get("self") if frame is not None else None)
         log(INFO, "\t├──> Sampling:")
         log(INFO, "\t│\t├──Nodes per round: train (%d) | evaluate (fraction %.2f)", self.clients_per_round,
             self.fraction_evaluate)
