@@ -507,10 +507,12 @@ class RoundLoopStrategy(Strategy):
         if self._slot_of is None:
             self._slot_of = {metadata.message_id: slot for slot, metadata in enumerate(self._pending)}
         slot = self._slot_of.get(reply.metadata.reply_to_message_id)
-        node = reply.metadata.src_node_id
         if slot is None:
-            self._round_rejected.append(f"node {node}: reply to an unknown message")
+            self._round_rejected.append(f"node {reply.metadata.src_node_id}: reply to an unknown message")
             return
+        # the node the message was sent to: an error reply that Flower builds for a lost node
+        # (e.g. "Reply message objects are unavailable") carries the ServerApp's own node id
+        node = self._pending[slot].dst_node_id
         where = self._where(node, slot)
         self._round_seen.add(slot)
         update, reason = protocol.decode_train_reply(

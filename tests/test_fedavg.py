@@ -190,3 +190,24 @@ def test_no_accepted_reply_for_max_failed_rounds_fails_the_run() -> None:
         strategy.start(grid=grid, initial_arrays=initial(), num_rounds=10, max_failed_rounds=3)
     assert "3 consecutive rounds (1..3" in str(info.value) and "the simulation backend is gone" in str(info.value)
     assert strategy.global_model["w"].sum() == 0  # the model was never replaced
+
+
+def test_an_error_reply_flower_builds_for_a_lost_node_blames_the_node_the_message_went_to(caplog) -> None:
+    """Flower's SuperLink answers for a SuperNode killed mid-round with an error reply whose
+    source is the ServerApp's own node id ("Reply message objects are unavailable"): the
+    rejection names the node the message was sent to."""
+    from flwr.app import Error, Message
+
+    grid = FakeGrid(node, num_nodes=3)
+    strategy = FedAvg(clients_per_round=3, seed=0)
+    messages = list(strategy.configure_train(1, initial(), ConfigRecord(), grid))
+    replies = grid.send_and_receive(messages)
+    lost = messages[1]
+    error = Message(Error(code=0, reason="Reply message objects are unavailable"), reply_to=lost)
+    error.metadata.__dict__["_src_node_id"] = 1  # the ServerApp's node id, as Flower's SuperLink sets it
+    assert error.metadata.src_node_id == 1 != lost.metadata.dst_node_id
+    replies = [r for r in replies if r.metadata.reply_to_message_id != lost.metadata.message_id] + [error]
+    with caplog.at_level("WARNING"):
+        strategy.aggregate_train(1, replies)
+    assert f"node {lost.metadata.dst_node_id}: client error: Reply message objects are unavailable" in caplog.text
+    assert "node 1:" not in caplog.text
