@@ -20,12 +20,22 @@ Each row says what happened (accepted replies per round, the rejection reasons l
 status) and "models lost": server models that went missing or non-finite (must be 0).
 
     python bench/faults.py --attacks            # hostile clients, the defences off and on
+    python bench/faults.py --attacks --strategies fedavg fedmr fedcross fedmut fedexp scaffold --hostile 1 2
 
-``--attacks`` runs, per strategy, 5 SuperNodes all in every round (K = 5) for 20 rounds of the
-default local training: ``clean``; ``scale``: partition 0 sends its update × 100; ``flip``:
-partition 0 sends its update × −10 (sign flipped and boosted); each attack once with the
-defences off and once on (``strategy.defence.clip_update_norm`` at ``--clip`` and
-``strategy.defence.robust_mean=median``). Its table is the final accuracy of each. Kill -9 +
+``--attacks`` runs, per strategy, 10 SuperNodes all in every round (K = 10) for ``--rounds``
+rounds of the default local training on the embedded data; the nodes of partitions 0 (and 1,
+with ``--hostile 2``) are hostile:
+
+- ``scale``: the update × 100; ``flip``: the update × −10 (sign flipped and boosted);
+- ``freerider``: the model it got, returned untrained (with its honest example count);
+- ``labelflip``: trains on its data with every label y replaced by C − 1 − y;
+- ``backdoor``: trains on its data with half of its rows stamped with a 4×4 white square in
+  the bottom-right corner and labelled 0; the row's ``backdoor_success`` is the share of the
+  test images of other labels that the final model puts in class 0 once stamped.
+
+Each attack once with the defences off and once on (``--defence``, by default the per-update
+stage ``screen=0`` and ``adaptive_clip=2``), and a clean run of
+each (the defence's price). Its table is the final accuracy of each. Kill -9 +
 resume, Ctrl-C + resume and a federation that never answers are covered by the test suite
 (tests/test_same_results.py, tests/test_interrupt.py, tests/test_simulation.py). Writes
 bench/results/faults.json and prints a markdown table.
@@ -46,7 +56,51 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 FAULTS = ("fail30", "nan", "inf", "shape", "dtype", "count", "straggler")
-ATTACKS = ("clean", "scale", "scale+defence", "flip", "flip+defence")
+ATTACKS = ("scale", "flip", "freerider", "labelflip", "backdoor")
+#: The defended rows' settings (--defence replaces them).
+DEFENCE = ("strategy.defence.screen=0.0", "strategy.defence.adaptive_clip=2.0")
+#: The backdoor's target class and trigger (a white square in the bottom-right corner).
+TARGET, TRIGGER = 0, 4
+
+
+def stamp(x):  # noqa: ANN001, ANN201 - uint8 images [N, C, H, W]
+    """Images with the backdoor trigger."""
+    x = x.clone()
+    x[..., -TRIGGER:, -TRIGGER:] = 255
+    return x
+
+
+def experiment(fault: str) -> tuple[str, int, bool]:
+    """(attack, hostile nodes, defended) of an experiment's folder name, e.g. ``scale-2+defence``
+    (no count: partition 0 alone is hostile)."""
+    name, defended = fault.removesuffix("+defence"), fault.endswith("+defence")
+    attack, _, count = name.partition("-")
+    return attack, int(count or 1), defended
+
+
+def hostile_data(real_local_data):  # noqa: ANN001, ANN201
+    """The ClientApp's data function with the data attacks of the experiment (its output folder's
+    name) applied to the hostile partitions' training rows."""
+    import dataclasses
+
+    from fedmm.data import input_spec
+
+    def local_data(run, context, part="train"):  # noqa: ANN001, ANN202
+        data = real_local_data(run, context, part)
+        attack, hostile, _ = experiment(Path(run.output_dir).name)
+        if part != "train" or int(context.node_config.get("partition-id", -1)) >= hostile:
+            return data
+        if attack == "labelflip":
+            return dataclasses.replace(data, y=input_spec(run.dataset).num_classes - 1 - data.y)
+        if attack == "backdoor":
+            poisoned = np.arange(len(data.y)) % 2 == 0
+            x, y = data.x.clone(), data.y.clone()
+            x[poisoned] = stamp(x[poisoned])
+            y[poisoned] = TARGET
+            return dataclasses.replace(data, x=x, y=y)
+        return data
+
+    return local_data
 
 
 def faulty_client_app():  # noqa: ANN201
@@ -68,15 +122,16 @@ def faulty_client_app():  # noqa: ANN201
             raise RuntimeError(f"injected failure on partition {pid}")
         if fault == "straggler" and pid == 0:
             time.sleep(float(cfg["round_timeout"]) + 4)
-        received = protocol.record_to_model(msg.content[protocol.ARRAYS], copy=True) if fault.startswith(("scale", "flip")) else None
+        attack, hostile, _ = experiment(fault)
+        received = protocol.record_to_model(msg.content[protocol.ARRAYS], copy=True) if attack in ("scale", "flip", "freerider") else None
         reply = real.train(msg, context)
-        if pid != 0 or fault == "clean":
-            return reply
-        if received is not None:  # a hostile client: its update scaled (× 100) or flipped (× −10)
-            factor = 100.0 if fault.startswith("scale") else -10.0
+        if received is not None and pid < hostile:  # a hostile client: its update scaled (× 100), flipped (× −10) or none
+            factor = {"scale": 100.0, "flip": -10.0, "freerider": 0.0}[attack]
             trained = protocol.record_to_model(reply.content[protocol.ARRAYS], copy=True)
-            hostile = {k: (received[k] + factor * (v - received[k])).astype(v.dtype) if v.dtype.kind == "f" else v for k, v in trained.items()}
-            reply.content[protocol.ARRAYS] = protocol.model_to_record(hostile)
+            poisoned = {k: (received[k] + factor * (v - received[k])).astype(v.dtype) if v.dtype.kind == "f" else v for k, v in trained.items()}
+            reply.content[protocol.ARRAYS] = protocol.model_to_record(poisoned)
+            return reply
+        if pid != 0 or attack in ATTACKS or attack == "clean":
             return reply
         arrays = reply.content[protocol.ARRAYS]
         key = next(k for k in arrays if arrays[k].numpy().dtype.kind == "f")
@@ -99,23 +154,25 @@ def faulty_client_app():  # noqa: ANN201
     return app
 
 
-def run_strategy(strategy: str, root: Path, attacks: bool = False, clip: float = 5.0, engine: str = "local") -> list[dict]:
+def run_strategy(strategy: str, root: Path, attacks: tuple[str, ...] = (), hostile: tuple[int, ...] = (1,),  # noqa: PLR0913
+                 defence: tuple[str, ...] = DEFENCE, rounds: int = 20, engine: str = "local",
+                 overrides: tuple[str, ...] = ()) -> list[dict]:
     from flwr.serverapp import Grid, ServerApp
 
     from fedmm.config import compose, to_container
     from server_app.runner import run_experiment
-    faults = ATTACKS if attacks else FAULTS
     if attacks:
-        defence = [f"strategy.defence.clip_update_norm={clip}", "strategy.defence.robust_mean=median"]
+        faults = [f + d for f in ["clean", *(f"{a}-{n}" for n in hostile for a in attacks)] for d in ("", "+defence")]
         cfgs = [
             to_container(compose([
-                f"strategy={strategy}", "num_clients=5", "clients_per_round=5", "num_rounds=20", "eval_every=20",
-                "round_timeout=300", f"simulation.engine={engine}", f"output_dir={root / strategy / fault}",
-                *(defence if fault.endswith("+defence") else []),
+                f"strategy={strategy}", "num_clients=10", "clients_per_round=10", f"num_rounds={rounds}",
+                f"eval_every={rounds}", "round_timeout=300", f"simulation.engine={engine}", "simulation.vectorize=off",
+                f"output_dir={root / strategy / fault}", *overrides, *(defence if fault.endswith("+defence") else []),
             ]))
             for fault in faults
         ]
     else:
+        faults = list(FAULTS)
         cfgs = [
             to_container(compose([
                 f"strategy={strategy}", "num_clients=10", "clients_per_round=5", "num_rounds=2", "training.local_epochs=1",
@@ -135,62 +192,122 @@ def run_strategy(strategy: str, root: Path, attacks: bool = False, clip: float =
             except Exception:  # noqa: BLE001 - the row records the status
                 pass
 
+    from client_app import work
+
+    real_local_data = work.local_data
+    work.local_data = hostile_data(real_local_data)  # in this process: the in-process engine's ClientApp
+    try:
+        simulate(app, cfgs[0], engine)
+    finally:
+        work.local_data = real_local_data
+    rows = []
+    for fault, cfg in zip(faults, cfgs):
+        rows.append({"strategy": strategy, "fault": fault, **outcome(cfg)})
+        if attacks and (Path(cfg["output_dir"]) / "final_model.pt").exists():
+            rows[-1]["backdoor_success"] = backdoor_success(cfg)
+    return rows
+
+
+def simulate(app, cfg: dict, engine: str) -> None:  # noqa: ANN001
+    """The experiments' ServerApp on the in-process engine or Flower's on Ray."""
     if engine == "local":
         from fedmm.local_engine import run_local_simulation
 
-        run_local_simulation(server_app=app, client_app=faulty_client_app(), num_supernodes=cfgs[0]["num_clients"])
+        run_local_simulation(server_app=app, client_app=faulty_client_app(), num_supernodes=cfg["num_clients"])
     else:
         from flwr.simulation import run_simulation
 
         from launch.cli import backend_config
 
-        run_simulation(server_app=app, client_app=faulty_client_app(), num_supernodes=cfgs[0]["num_clients"],
-                       backend_config=backend_config(cfgs[0]))
-    rows = []
-    for fault, cfg in zip(faults, cfgs):
-        run = Path(cfg["output_dir"])
-        summary = json.loads((run / "summary.json").read_text())
-        metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-        lost = 0
-        if (run / "final_models.npz").exists():
-            with np.load(run / "final_models.npz") as pool:
-                indices = {name.split("/")[0] for name in pool.files}
-                lost = cfg["clients_per_round"] - len(indices)
-                lost += len({n.split("/")[0] for n in pool.files if pool[n].dtype.kind == "f" and not np.isfinite(pool[n]).all()})
-        import torch
+        run_simulation(server_app=app, client_app=faulty_client_app(), num_supernodes=cfg["num_clients"],
+                       backend_config=backend_config(cfg))
 
-        if (run / "final_model.pt").exists():  # a run that failed (e.g. every reply rejected) wrote none
-            final = torch.load(run / "final_model.pt", weights_only=True)
-            lost += sum(1 for v in final.values() if v.is_floating_point() and not torch.isfinite(v).all())
-        rows.append({
-            "strategy": strategy, "fault": fault, "status": summary["status"],
-            "replies": [m.get("replies") for m in metrics[1:]], "final_accuracy": metrics[-1]["accuracy"],
-            "models_lost": lost, "largest_update_norm": max((m.get("largest_update_norm", 0.0) for m in metrics[1:]), default=0.0),
-        })
-    return rows
+
+def outcome(cfg: dict) -> dict:
+    """What an experiment's folder says: status, accepted replies, final accuracy, models lost."""
+    import torch
+
+    run = Path(cfg["output_dir"])
+    summary = json.loads((run / "summary.json").read_text())
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    lost = 0
+    if (run / "final_models.npz").exists():
+        with np.load(run / "final_models.npz") as pool:
+            indices = {name.split("/")[0] for name in pool.files}
+            lost = cfg["clients_per_round"] - len(indices)
+            lost += len({n.split("/")[0] for n in pool.files if pool[n].dtype.kind == "f" and not np.isfinite(pool[n]).all()})
+    if (run / "final_model.pt").exists():  # a run that failed (e.g. every reply rejected) wrote none
+        final = torch.load(run / "final_model.pt", weights_only=True)
+        lost += sum(1 for v in final.values() if v.is_floating_point() and not torch.isfinite(v).all())
+    return {
+        "status": summary["status"], "replies": [m.get("replies") for m in metrics[1:]],
+        "final_accuracy": metrics[-1]["accuracy"], "models_lost": lost,
+        "largest_update_norm": max((m.get("largest_update_norm", 0.0) for m in metrics[1:]), default=0.0),
+        "screened": sum(m.get("updates_screened", 0.0) for m in metrics[1:]),
+    }
+
+
+def backdoor_success(cfg: dict) -> float:
+    """Share of the test images of other labels than the target that the final model puts in
+    the target class once stamped with the trigger."""
+    import torch
+
+    from fedmm.config import as_run
+    from fedmm.data import input_spec, load_dataset
+    from fedmm.models import build_model, model_options
+
+    run = as_run(cfg)
+    _, test = load_dataset(run.dataset)
+    model = build_model(run.model.name, input_spec(run.dataset), run.model.projection_dim, model_options(run.model))
+    model.load_state_dict(torch.load(Path(cfg["output_dir"]) / "final_model.pt", weights_only=True))
+    model.eval()
+    others = test.y != TARGET
+    with torch.no_grad():
+        predicted = model(test.transform.prepare("cpu")(stamp(test.x[others]))).argmax(dim=1)
+    return float((predicted == TARGET).float().mean())
+
+
+def attack_table(rows: list[dict], attacks: tuple[str, ...], hostile: list[int]) -> str:
+    """Markdown: final accuracy off / on per strategy and attack (backdoor: and its success rate)."""
+    def cell(fault: str, strategy: str) -> str:
+        row = next((r for r in rows if r["strategy"] == strategy and r["fault"] == fault), None)
+        if row is None:
+            return "–"
+        text = f"{row['final_accuracy']:.3f}" + ("" if row["status"] == "completed" else f" ({row['status']})")
+        return text + (f" [{row['backdoor_success']:.2f}]" if fault.startswith("backdoor") and "backdoor_success" in row else "")
+
+    columns = ["clean", *(f"{a}-{n}" for n in hostile for a in attacks)]
+    lines = ["| strategy | defence | " + " | ".join(columns) + " |", "|---|---|" + "---|" * len(columns)]
+    for strategy in dict.fromkeys(r["strategy"] for r in rows):
+        for suffix, label in (("", "off"), ("+defence", "on")):
+            lines.append(f"| {strategy} | {label} | " + " | ".join(cell(c + suffix, strategy) for c in columns) + " |")
+    return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--strategies", nargs="+", default=["fedavg", "fedmr", "fedcross"])
-    parser.add_argument("--attacks", action="store_true", help="hostile clients (scale, flip) with the defences off and on")
-    parser.add_argument("--clip", type=float, default=5.0, help="--attacks: strategy.defence.clip_update_norm of the defended rows")
+    parser.add_argument("--attacks", nargs="*", default=None, choices=ATTACKS,
+                        help=f"hostile clients, the defences off and on (no value: all of {', '.join(ATTACKS)})")
+    parser.add_argument("--hostile", nargs="+", type=int, default=[1], help="--attacks: hostile nodes of 10 (one run each)")
+    parser.add_argument("--rounds", type=int, default=20, help="--attacks: rounds per run")
+    parser.add_argument("--set", nargs="*", default=[], help="--attacks: overrides of every run (e.g. training.local_epochs=1)")
+    parser.add_argument("--defence", nargs="+", default=list(DEFENCE), help="--attacks: the defended rows' overrides")
     parser.add_argument("--engine", choices=["local", "ray"], default="local",
                         help="the simulation engine (simulation.engine): in process, or Flower's on Ray")
     parser.add_argument("--out", default=None, help="default bench/results/faults.json (--attacks: attacks.json)")
     args = parser.parse_args()
-    args.out = args.out or str(Path(__file__).parent / "results" / ("attacks.json" if args.attacks else "faults.json"))
+    attacks = tuple(args.attacks or ATTACKS) if args.attacks is not None else ()
+    args.out = args.out or str(Path(__file__).parent / "results" / ("attacks.json" if attacks else "faults.json"))
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     root = Path(tempfile.mkdtemp(prefix="fedmm-faults-"))
-    rows = [row for strategy in args.strategies for row in run_strategy(strategy, root, args.attacks, args.clip, args.engine)]
-    if args.attacks:
-        print("| strategy | clean | scale ×100 | scale, defended | flip ×−10 | flip, defended |")
-        print("|---|---|---|---|---|---|")
-        for strategy in args.strategies:
-            acc = {r["fault"]: (f"{r['final_accuracy']:.3f}" + ("" if r["status"] == "completed" else f" ({r['status']})"))
-                   for r in rows if r["strategy"] == strategy}
-            print(f"| {strategy} | " + " | ".join(acc[f] for f in ATTACKS) + " |")
-        Path(args.out).write_text(json.dumps({"runs_in": str(root), "rows": rows}, indent=2))
+    rows = [row for strategy in args.strategies
+            for row in run_strategy(strategy, root, attacks, tuple(args.hostile), tuple(args.defence), args.rounds, args.engine,
+                                         tuple(args.set))]
+    if attacks:
+        print(attack_table(rows, attacks, args.hostile))
+        Path(args.out).write_text(json.dumps({"defence": args.defence, "rounds": args.rounds, "set": args.set, "runs_in": str(root),
+                                              "rows": rows}, indent=2))
         return
     print("| strategy | fault | status | accepted replies per round (of 5) | final accuracy | models lost |")
     print("|---|---|---|---|---|---|")

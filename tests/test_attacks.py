@@ -1,0 +1,47 @@
+"""bench/faults.py's attacks: which nodes are hostile and what their data becomes."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+import faults  # noqa: E402
+
+from fedmm.config import as_run, compose  # noqa: E402
+from fedmm.data.tensors import TensorData  # noqa: E402
+
+
+def test_an_experiment_name_says_the_attack_the_hostile_nodes_and_the_defence() -> None:
+    assert faults.experiment("scale-2+defence") == ("scale", 2, True)
+    assert faults.experiment("backdoor-1") == ("backdoor", 1, False)
+    assert faults.experiment("scale") == ("scale", 1, False)  # tests/test_engines.py's hostile node
+
+
+def test_label_flipping_and_the_backdoor_poison_only_the_hostile_nodes_training_rows() -> None:
+    x = torch.zeros((6, 1, 8, 8), dtype=torch.uint8)
+    clean = TensorData(x=x, y=torch.tensor([0, 1, 2, 3, 4, 9]))
+    local_data = faults.hostile_data(lambda run, context, part="train": clean)
+
+    def data(fault: str, partition: int, part: str = "train") -> TensorData:
+        run = as_run(compose(["dataset=mnist", f"output_dir=/tmp/runs/{fault}"]))
+        return local_data(run, SimpleNamespace(node_config={"partition-id": partition}), part)
+
+    assert data("labelflip-2", 1).y.tolist() == [9, 8, 7, 6, 5, 0]  # C − 1 − y, C = 10
+    assert data("labelflip-2", 2) is clean and data("labelflip-2", 0, "test") is clean
+    poisoned = data("backdoor-1", 0)
+    assert poisoned.y.tolist() == [0, 1, 0, 3, 0, 9]  # every other row relabelled to the target
+    assert (poisoned.x[0, :, -4:, -4:] == 255).all() and (poisoned.x[1] == 0).all() and (poisoned.x[0, :, :4, :4] == 0).all()
+    assert data("scale-1", 0) is clean  # a model attack leaves the data alone
+
+
+def test_the_table_puts_defence_off_beside_on_with_the_backdoors_success() -> None:
+    rows = [{"strategy": "fedavg", "fault": f, "status": "completed", "final_accuracy": a, "backdoor_success": b}
+            for f, a, b in [("clean", 0.9, 0.1), ("clean+defence", 0.89, 0.1), ("backdoor-1", 0.88, 0.7),
+                            ("backdoor-1+defence", 0.87, 0.2)]]
+    table = faults.attack_table(rows, ("backdoor",), [1]).splitlines()
+    assert table[2] == "| fedavg | off | 0.900 | 0.880 [0.70] |" and table[3] == "| fedavg | on | 0.890 | 0.870 [0.20] |"
