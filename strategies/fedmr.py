@@ -14,6 +14,7 @@ from fedmm.protocol import ModelDict
 from fedmm.settings import Bool, Choice, Int, MapOf, Nullable, Number, setting
 from strategies.aggregation import mean_models
 from strategies.base import StrategySettings
+from strategies.defence import STAGE, refuse
 from strategies.multimodel import MultiModelStrategy
 from strategies.recombination import GRANULARITIES, recombine, segments_for_ratio
 from strategies.secure_recombination import SecureRecombination, SecureSettings
@@ -47,6 +48,15 @@ class FedMRSettings(StrategySettings):
     @property
     def display(self) -> str:
         return "Indep" if self.partition_ratio == 1.0 else self.title
+
+    def check_values(self, prefix: str) -> None:
+        """With secure recombination an upload is a model the clients recombined among
+        themselves, an update against no model the server sent: the defence stage is refused."""
+        super().check_values(prefix)
+        if self.secure.enabled:
+            refuse(self.defence, dict.fromkeys(STAGE, "with strategy.secure.enabled=true each upload is recombined "
+                                               "from layers of other clients' models, not an update of the model "
+                                               "the server sent that node; robust_mean still applies"), self.option)
 
 class FedMR(MultiModelStrategy):
     """FedMR on the multi-model base: only :meth:`update_models` differs.

@@ -103,7 +103,7 @@ def test_a_non_finite_aggregate_keeps_the_previous_models() -> None:
         out, metrics = strategy.aggregate_train(1, grid.send_and_receive(messages))
     assert out is None and metrics["replies"] == 0.0 and strategy.last_replies == 0
     np.testing.assert_array_equal(strategy.models[0]["w"], initial["w"])
-    assert strategy.accepted_rounds == {}  # the nodes' state of this round is not kept either
+    assert strategy.replies.accepted_rounds == {}  # the nodes' state of this round is not kept either
 
 
 #: Every defence setting, the value that turns it on (with any setting it needs) and the attack it answers.
@@ -172,3 +172,13 @@ def test_every_method_passes_every_defence_or_refuses_it(name: str) -> None:
         gap = max(np.abs(d - h).max() for d, h in zip(defended[shown], honest[shown]))
         before = max(np.abs(u - h).max() for u, h in zip(undefended[shown], honest[shown]))
         assert gap < before / 2, f"{name} with {key}={value} against {attack}: {gap:.3g} vs {before:.3g} undefended"
+
+
+def test_secure_recombination_refuses_the_stage_and_keeps_the_robust_mean() -> None:
+    """An upload of secure FedMR is recombined among clients: no update against a sent model."""
+    for name in ("clip_update_norm=1.0", "adaptive_clip=2.0", "screen=0.0"):
+        with pytest.raises(ConfigError) as err:
+            compose(["strategy=fedmr", "strategy.secure.enabled=true", f"strategy.defence.{name}"])
+        assert err.value.key == f"strategy.defence.{name.split('=')[0]}" and "strategy.secure.enabled=true" in str(err.value)
+    run = compose(["strategy=fedmr", "strategy.secure.enabled=true", "strategy.defence.robust_mean=median"])
+    assert run.strategy.defence.robust_mean == "median"
