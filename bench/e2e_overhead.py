@@ -268,7 +268,11 @@ def instrument_server() -> ServerTimers:
     SeededRosterSelector.query_keys = timed("roster_query", SeededRosterSelector.query_keys)
     experiment.evaluate_model = timed("central_evaluate", experiment.evaluate_model)
     send = cls.send
-    accept_reply = cls.accept_reply
+    try:  # each train reply is checked by the round's reply ledger (by the strategy itself before)
+        from strategies.ledger import ReplyLedger as checks
+    except ImportError:
+        checks = cls
+    accept_reply = checks.accept_reply
 
     def timed_send(self: Any, grid: Any, messages: Any, timeout: float, on_reply: Any = None) -> Any:
         is_train = any(m.metadata.message_type == MessageType.TRAIN for m in messages)
@@ -284,7 +288,7 @@ def instrument_server() -> ServerTimers:
         return accept_reply(self, reply)
 
     cls.send = timed_send
-    cls.accept_reply = counted_accept_reply
+    checks.accept_reply = counted_accept_reply
     return timers
 
 

@@ -33,7 +33,7 @@ from fedmm.models import model_for
 from server_app.checkpoint import load_checkpoint, restore_rng_states, rng_states, save_checkpoint
 from server_app.recording import RunLock, RunRecorder, atomic_file, create_run_dir
 from strategies import build_strategy
-from strategies.base import exchange
+from strategies.messaging import exchange
 from strategies.multimodel import MultiModelStrategy
 
 

@@ -58,3 +58,11 @@ def robust_mean_models(models: Sequence[Mapping[str, np.ndarray]], how: str, tri
             value = np.sort(stack, axis=0)[cut : n - cut].mean(axis=0)
         out[key] = value.astype(first.dtype) if np.issubdtype(first.dtype, np.floating) else np.rint(value).astype(first.dtype)
     return out
+
+
+def non_finite_key(model: ModelDict | None) -> str | None:
+    """The first key of ``model`` holding NaN or Inf, or None."""
+    for key, value in (model or {}).items():
+        if np.issubdtype(value.dtype, np.floating) and not np.isfinite(value).all():
+            return key
+    return None

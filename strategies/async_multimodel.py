@@ -30,9 +30,9 @@ from flwr.supercore import log
 from fedmm import protocol
 from fedmm.errors import ConfigError
 from fedmm.protocol import ClientUpdate, ModelDict
-from strategies.aggregation import mean_models
+from strategies.aggregation import mean_models, non_finite_key
 from strategies.asynchronous import AsyncRoundLoop, Job, buffer_setting, check_async, half, max_staleness_setting
-from strategies.base import non_finite_key
+from strategies.defence import client_mean, defend
 from strategies.fedcross import FedCross, FedCrossSettings
 from strategies.fedmr import FedMR, FedMRSettings
 from strategies.multimodel import cosine_summary
@@ -79,7 +79,7 @@ class AsyncMultiModel(AsyncRoundLoop):
             self.models[job.model_index] = self.global_model  # type: ignore[assignment]
             update = None
         if update is not None:
-            self.accepted_rounds[job.node] = job.server_round
+            self.replies.accepted_rounds[job.node] = job.server_round
             self.used_staleness.append(staleness)
         self.arrived[job.model_index] = update
         return len(self.arrived) >= self.buffer()
@@ -91,8 +91,8 @@ class AsyncMultiModel(AsyncRoundLoop):
         updates = [u for u in (self.arrived[i] for i in indices) if u is not None]
         if updates:  # the defence stage, against the model each was sent
             before = len(self.failures)
-            kept = self.defend(updates, [self.models[u.slot] for u in updates],
-                               [f"node {u.node_id} (model {u.slot})" for u in updates], self.failures)
+            kept = defend(self.settings.defence, updates, [self.models[u.slot] for u in updates],
+                          [f"node {u.node_id} (model {u.slot})" for u in updates], self.failures, self.round_log)
             for update in updates:
                 if all(update is not k for k in kept):
                     self.arrived[update.slot] = None  # the model comes back as it was sent
@@ -111,7 +111,7 @@ class AsyncMultiModel(AsyncRoundLoop):
         self.used_staleness = []
         metrics = self.train_metrics(updates)
         previous = (list(self.models), self.global_model)
-        global_model = self.round_mean = self.client_mean(current, lambda: mean_models(current))
+        global_model = self.round_mean = client_mean(self.settings.defence, current, lambda: mean_models(current))
         trained = [position for position, i in enumerate(indices) if self.arrived[i] is not None]
         fused = self.update_models(self.version + 1, [dict(current[i]) for i in indices], trained)
         self.round_mean = None
@@ -157,9 +157,6 @@ MODELS_BACK = ("models back (trained or failed)", "clients_per_round (K); K: the
 
 def _check(settings: Any, run: Any) -> None:
     check_async(settings, run, buffer_of=run.clients_per_round)
-    if getattr(getattr(settings, "secure", None), "enabled", False):
-        raise ConfigError("strategy.secure.enabled", True, f"false with strategy={settings.option} (secure "
-                          "recombination exchanges layers among the clients of one synchronous round)")
 
 
 @dataclass
@@ -175,6 +172,9 @@ class FedMRAsyncSettings(FedMRSettings):
     def check(self, run: Any) -> None:
         super().check(run)
         _check(self, run)
+        if self.secure.enabled:
+            raise ConfigError("strategy.secure.enabled", True, f"false with strategy={self.option} (secure "
+                              "recombination exchanges layers among the clients of one synchronous round)")
 
     @property
     def display(self) -> str:

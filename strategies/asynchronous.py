@@ -48,7 +48,9 @@ from fedmm.errors import ConfigError
 from fedmm.interrupt import STOP, raise_if_stopped
 from fedmm.protocol import ClientUpdate, ModelDict
 from fedmm.settings import Int, Nullable, setting
-from strategies.base import POLL_INTERVAL, RoundLoopStrategy, RunFailed
+from strategies.base import RoundLoopStrategy, RunFailed
+from strategies.ledger import ReplyCheck
+from strategies.messaging import POLL_INTERVAL
 from strategies.selection import SeededRosterSelector
 
 #: rng stream of the dispatch draws after the first of a round (0: training, 1: evaluation).
@@ -195,12 +197,8 @@ class AsyncRoundLoop(RoundLoopStrategy):
 
     def run_round(self, server_round, grid, arrays, config, timeout):  # type: ignore[no-untyped-def]
         """Handle ended jobs, sending new ones, until the next aggregation (one "round")."""
-        if self.models is None:
-            self.initialize(protocol.record_to_model(arrays))
-        assert self.models is not None
-        if self.spec is None:
-            self.spec = protocol.array_spec(self.models[0])
-        self.round_log, self.failures = {}, []
+        self.begin_round(arrays)
+        self.failures = []
         self._train_config = config
         self.resend(grid)
         self.dispatch(grid)
@@ -238,10 +236,7 @@ class AsyncRoundLoop(RoundLoopStrategy):
 
     def roster(self, grid: Grid) -> list[int]:
         """The connected nodes ordered by their stable keys (as the selector orders them)."""
-        order = getattr(self.selector, "ordered_nodes", None)
-        if order is not None:
-            return list(order(grid, self.minimum_nodes()))
-        return sorted(grid.get_node_ids(), key=lambda n: (self.selector.node_key(n), n))
+        return list(self.selector.ordered_nodes(grid, self.minimum_nodes()))
 
     def dispatch(self, grid: Grid) -> None:
         """Send the wanted models to free clients, drawn at random (module docstring)."""
@@ -271,7 +266,7 @@ class AsyncRoundLoop(RoundLoopStrategy):
         job = Job(self.next_job, node, key, model_index, self.version, server_round, repeat, now)
         self.next_job += 1
         if self.clock.virtual:
-            size = getattr(self.selector, "num_examples", lambda _n: None)(node)
+            size = self.selector.num_examples(node)
             self.time(job, self.clock.duration(key, size if size is not None else self.sizes.get(key)))
         self.jobs[job.id] = job
         self.sent(job)
@@ -289,7 +284,7 @@ class AsyncRoundLoop(RoundLoopStrategy):
         if cache not in self._encoded:
             self._encoded[cache] = protocol.model_to_record(self.payload(job))
         config = {**dict(self._train_config), protocol.SERVER_ROUND: job.server_round, protocol.MODEL_INDEX: job.model_index,
-                  protocol.ACCEPTED_ROUND: self.accepted_rounds.get(job.node, 0)}
+                  protocol.ACCEPTED_ROUND: self.replies.accepted_rounds.get(job.node, 0)}
         if job.repeat:
             config[protocol.ROUND_REPEAT] = job.repeat
         return protocol.server_message(
@@ -325,17 +320,8 @@ class AsyncRoundLoop(RoundLoopStrategy):
         self.push(grid, [job for job in restored if not job.replied])
 
     def receive(self, job: Job, reply: Message) -> None:
-        """Decode and check a reply as the synchronous strategies do."""
-        assert self.spec is not None
-        update, reason = protocol.decode_train_reply(
-            reply, job.model_index, self.spec, self.reply_extras(job.server_round), consume=True,
-            copy=self.writable_updates, arrays_key=self.arrayrecord_key, weight_key=self.weighted_by_key,
-        )
-        if update is not None:
-            bound, source = self.examples_bound(job.node)
-            if bound is not None and update.num_examples > bound:
-                update, reason = None, (f"{protocol.printable(self.weighted_by_key)}={update.num_examples:.0f} "
-                                        f"exceeds {source} ({bound})")
+        """Decode and check a reply as the synchronous strategies do (:class:`~strategies.ledger.ReplyCheck`)."""
+        update, reason = ReplyCheck.of(self, job.server_round).check(reply, job.model_index, job.node)
         job.update, job.reason, job.replied, job.arrived_at = update, reason, True, time.monotonic()
         if self.clock.virtual and job.duration is None:
             self.time(job, self.clock.duration(job.key, update.num_examples if update is not None else None))

@@ -84,7 +84,7 @@ class ClusteredSettings(UniformSettings):
 
     def check(self, run: Any) -> None:
         """Clustered sampling weighs the replies of one model."""
-        if not getattr(run.strategy, "weighs_replies", False):
+        if not run.strategy.weighs_replies:
             raise ConfigError(
                 "selection", self.option,
                 f"selection=uniform with strategy.name={run.strategy.name} (clustered sampling weighs the replies of one "

@@ -17,7 +17,7 @@ FedCross and FedMut are defended one by one:
 
 ``robust_mean`` is the other half: the mean a method takes of client models (FedAvg's
 aggregate, the multi-model methods' global model, FedExP's, FedDyn's and SCAFFOLD's mean step)
-becomes a coordinate-wise median or trimmed mean (:meth:`RoundLoopStrategy.client_mean`).
+becomes a coordinate-wise median or trimmed mean (:func:`client_mean`, :func:`robust_mean`).
 
 A method for which a defence has no meaning declares it in ``refused_defences`` of its settings
 (``{setting: why}``); :meth:`refuse` turns a value other than the default into a
@@ -26,7 +26,7 @@ A method for which a defence has no meaning declares it in ``refused_defences`` 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,6 +34,7 @@ import numpy as np
 from fedmm.errors import ConfigError
 from fedmm.protocol import ClientUpdate, ModelDict
 from fedmm.settings import Choice, Nullable, Number, Settings, setting
+from strategies.aggregation import robust_mean_models
 
 
 @dataclass
@@ -78,6 +79,33 @@ def refuse(defence: DefenceSettings, refused: Mapping[str, str], method: str) ->
         if value != getattr(defaults, name):
             raise ConfigError(f"strategy.defence.{name}", value,
                               f"{getattr(defaults, name)!r} with strategy={method} ({why})".replace("None", "null"))
+
+
+def defend(defence: DefenceSettings, updates: list[ClientUpdate], sent: Sequence[Mapping[str, np.ndarray]],
+           names: list[str], rejected: list[str], round_log: dict[str, float]) -> list[ClientUpdate]:
+    """The stage (:meth:`Defence.screen_and_bound`) on a round's accepted ``updates``
+    (``sent[i]``: the model ``updates[i]`` was sent, ``names[i]``: how logs name its node): the
+    updates kept; each screened reply's reason goes into ``rejected``, the stage's numbers into
+    ``round_log``."""
+    verdict = Defence(defence).screen_and_bound(updates, sent)
+    by_id = {id(u): name for u, name in zip(updates, names)}
+    rejected.extend(f"{by_id[id(u)]}: {reason}" for u, reason in verdict.rejected)
+    round_log.update(verdict.log)
+    return verdict.kept
+
+
+def robust_mean(defence: DefenceSettings, models: list[ModelDict]) -> ModelDict | None:
+    """``defence.robust_mean`` of ``models`` (unweighted), or None when it is off."""
+    if defence.robust_mean == "none" or not models:
+        return None
+    return robust_mean_models(models, defence.robust_mean, defence.trim_fraction)
+
+
+def client_mean(defence: DefenceSettings, models: list[ModelDict], own: Callable[[], ModelDict]) -> ModelDict:
+    """The mean a method takes of client models: ``defence.robust_mean`` of ``models`` when one
+    is set, else the method's own mean, ``own()``."""
+    robust = robust_mean(defence, models)
+    return own() if robust is None else robust
 
 
 def _floating(model: Mapping[str, np.ndarray]) -> list[str]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from fedmm.protocol import ClientUpdate, ModelDict
 from strategies.aggregation import weighted_mean_models
 from strategies.base import RoundLoopStrategy, StrategySettings
+from strategies.defence import client_mean
 
 
 @dataclass
@@ -44,6 +45,6 @@ class FedAvg(RoundLoopStrategy):
         if not updates:
             return None
         models = [u.model for u in updates]
-        self.models = [self.client_mean(models, lambda: weighted_mean_models(models, self.update_weights(updates)))]
+        self.models = [client_mean(self.settings.defence, models, lambda: weighted_mean_models(models, self.update_weights(updates)))]
         return self.models[0]
 

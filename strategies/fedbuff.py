@@ -28,8 +28,10 @@ from fedmm import protocol
 from fedmm.errors import ConfigError
 from fedmm.protocol import ClientUpdate, ModelDict
 from fedmm.settings import Choice, Int, Nullable, Number, setting
+from strategies.aggregation import non_finite_key
 from strategies.asynchronous import AsyncRoundLoop, Job, buffer_setting, check_async, half, max_staleness_setting
-from strategies.base import StrategySettings, non_finite_key
+from strategies.base import StrategySettings
+from strategies.defence import defend
 
 STALENESS_WEIGHTS = ("sqrt", "none")
 
@@ -149,14 +151,14 @@ class FedBuff(AsyncRoundLoop):
         model = job.update.model
         if self.defence.clip_update_norm is not None:  # the defence stage, one update at a time
             before = dict(self.round_log)
-            [update] = self.defend([job.update], [sent], [self.name_job(job)], self.failures)
+            [update] = defend(self.settings.defence, [job.update], [sent], [self.name_job(job)], self.failures, self.round_log)
             model = update.model
             self.round_log["largest_update_norm"] = max(before.get("largest_update_norm", 0.0), self.round_log["largest_update_norm"])
             self.round_log["updates_scaled"] += before.get("updates_scaled", 0.0)
         self.delta = add_update(self.delta, model, sent, staleness_weight(staleness, self.settings.staleness_weight))
         self.buffered.append(ClientUpdate(job.node, 0, {}, job.update.num_examples, job.update.metrics))
         self.buffered_staleness.append(staleness)
-        self.accepted_rounds[job.node] = job.server_round
+        self.replies.accepted_rounds[job.node] = job.server_round
         self.forget_versions()
         return len(self.buffered) >= self.buffer()
 

@@ -31,6 +31,7 @@ from fedmm.protocol import ClientUpdate, ModelDict
 from fedmm.settings import Number, setting
 from strategies.aggregation import mean_models
 from strategies.base import StrategySettings
+from strategies.defence import robust_mean
 from strategies.extrapolation import is_buffer
 from strategies.fedavg import FedAvg
 from strategies.selection import ClientSelector
@@ -113,7 +114,7 @@ class FedDyn(FedAvg):
             return None
         assert self.models is not None and self.h is not None
         nxt, self.h, mean = feddyn_server_step(self.models[0], [u.model for u in updates], self.h, self.alpha, self.num_clients,
-                                                    self.robust_mean_of([u.model for u in updates]))
+                                                    robust_mean(self.settings.defence, [u.model for u in updates]))
         self.models = [nxt]
         self.round_log["h_norm"] = float(np.sqrt(sum(float(np.square(v, dtype=np.float64).sum()) for v in self.h.values())))
         return mean

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from fedmm.protocol import ClientUpdate, ModelDict
 from fedmm.settings import Bool, Number, setting
+from strategies.defence import robust_mean
 from strategies.extrapolation import average_iterates, fedexp_step
 from strategies.fedavg import FedAvg, FedAvgSettings
 
@@ -68,7 +69,7 @@ class FedExP(FedAvg):
         weights = self.update_weights(updates)
         epsilon = self.epsilon_at(server_round)
         models = [u.model for u in updates]
-        nxt, eta = fedexp_step(current, models, weights, epsilon, self.extrapolate_buffers, self.robust_mean_of(models))
+        nxt, eta = fedexp_step(current, models, weights, epsilon, self.extrapolate_buffers, robust_mean(self.settings.defence, models))
         self.round_log.update({"eta_g": eta, "epsilon": epsilon})
         self.models = [nxt]
         return nxt if server_round == 1 else average_iterates(nxt, current)

@@ -287,7 +287,7 @@ class VirtualClock:
         if not self.virtual:
             self.wall_now()
             return updates, []
-        self.set_roster(_roster_keys(selector))
+        self.set_roster(selector.roster_keys())
         by_slot = {u.slot: u for u in updates}
         start = end = self.now
         kept: list[ClientUpdate] = []
@@ -295,7 +295,7 @@ class VirtualClock:
         for slot, node in enumerate(nodes):
             key = selector.node_key(node)
             update = by_slot.get(slot)
-            size = update.num_examples if update is not None else _roster_size(selector, node)
+            size = update.num_examples if update is not None else selector.num_examples(node)
             took = self.duration(key, size, update.metrics.get("train_time") if update is not None else None)
             if took is None:
                 if update is not None:
@@ -320,12 +320,3 @@ class VirtualClock:
         self.roster = []
         self.set_roster(list(state.get("roster", [])))
         self.restart()
-
-
-def _roster_keys(selector: Any) -> list[str]:
-    """The stable keys of every node the selector has ordered (empty when it keeps none)."""
-    return list(getattr(selector, "roster_keys", lambda: [])())
-
-
-def _roster_size(selector: Any, node: int) -> int | None:
-    return getattr(selector, "num_examples", lambda _n: None)(node)

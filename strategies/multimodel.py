@@ -27,6 +27,7 @@ from fedmm.protocol import ClientUpdate, ModelDict
 from strategies.aggregation import mean_models
 from strategies.base import RoundLoopStrategy
 from strategies.cross_aggregation import _float_keys, _gram
+from strategies.defence import client_mean
 from strategies.selection import ClientSelector
 
 
@@ -117,7 +118,7 @@ class MultiModelStrategy(RoundLoopStrategy):
             updated[update.slot] = update.model
         if self.log_model_cosine:  # the models that came back trained; a failed slot's model is left out
             self.round_log.update(cosine_summary([update.model for update in updates]))
-        global_model = self.round_mean = self.client_mean(updated, lambda: mean_models(updated))
+        global_model = self.round_mean = client_mean(self.settings.defence, updated, lambda: mean_models(updated))
         self.models = self.update_models(server_round, updated, [u.slot for u in updates])
         self.round_mean = None
         if len(self.models) != self.num_models:

@@ -36,6 +36,7 @@ from strategies.aggregation import weighted_mean_models
 from strategies.extrapolation import is_buffer
 from objectives import scaffold as scaffold_client
 from strategies.base import StrategySettings
+from strategies.defence import robust_mean
 from strategies.fedavg import FedAvg
 from strategies.selection import ClientSelector, SeededRosterSelector
 
@@ -188,10 +189,10 @@ class Scaffold(FedAvg):
 
     def robust_means(self, updates: list[ClientUpdate]) -> tuple[ModelDict, ModelDict] | None:
         """``defence.robust_mean`` of the models and of the Δc_i, or None when it is off."""
-        models = self.robust_mean_of([u.model for u in updates])
+        models = robust_mean(self.settings.defence, [u.model for u in updates])
         if models is None:
             return None
-        controls = self.robust_mean_of([u.extras[scaffold_client.CONTROL_DELTA] for u in updates])
+        controls = robust_mean(self.settings.defence, [u.extras[scaffold_client.CONTROL_DELTA] for u in updates])
         assert controls is not None
         return models, controls
 

@@ -49,6 +49,7 @@ from fedmm.errors import ConfigError
 from fedmm.settings import Bool, Choice, Int, Nullable, Settings, setting
 from fedmm.layers import layer_units
 from fedmm.secure import BAD_LAYER_FROM, MAX_ATTEMPTS, MAX_REPETITIONS, MODES, RETURN, SEND, LayerCodec, exchanges_of
+from strategies.ledger import ReplyCheck
 
 if TYPE_CHECKING:
     from strategies.multimodel import MultiModelStrategy
@@ -184,17 +185,14 @@ class SecureRecombination:
         self, strategy: MultiModelStrategy, server_round: int, grid: Grid, arrays: ArrayRecord, config: ConfigRecord, timeout: float
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         s = strategy
-        if s.models is None:
-            s.initialize(protocol.record_to_model(arrays))
-        assert s.models is not None
-        if s.spec is None:
-            s.spec = protocol.array_spec(s.models[0])
-        s.round_log = {}
+        s.begin_round(arrays)
+        assert s.models is not None and s.replies.spec is not None
+        spec = s.replies.spec
         node_ids = list(s.selector.select(grid, server_round, s.clients_per_round))
         s.round_log.update(s.selector.round_info)
         s.prepare_round(server_round, node_ids)
-        granularity = getattr(s, "granularity", "tensor")
-        units = layer_units(list(s.spec), granularity)
+        granularity = s.settings.granularity  # FedMR's (the one method with secure recombination)
+        units = layer_units(list(spec), granularity)
         low, high = self.layer_bounds(len(units))
         settings = {
             secure_protocol.SECURE_MODE: self.mode,
@@ -205,7 +203,7 @@ class SecureRecombination:
         }
         rnd = _Round(
             server_round, {**dict(config), protocol.SERVER_ROUND: server_round}, node_ids,
-            LayerCodec(s.spec, units, self.pad), list(node_ids),
+            LayerCodec(spec, units, self.pad), list(node_ids),
         )
         self.trace = []
         self.dispatched = {node: s.models[s.model_for_slot(slot)] for slot, node in enumerate(node_ids)}
@@ -399,17 +397,18 @@ class SecureRecombination:
         rnd.train_pending = False
         placeholder = {slot: SimpleNamespace(message_id=f"secure-dropped-{slot}", dst_node_id=node) for slot, node in enumerate(rnd.node_ids)}
         pending = [messages[node].metadata if node in messages else placeholder[slot] for slot, node in enumerate(rnd.node_ids)]
-        s.expect_replies(rnd.server_round, pending)
-        self._send(rnd, list(messages.values()), on_reply=s.accept_reply)
-        accepted = {u.slot for u in s.accepted_updates()}
+        ledger = s.replies
+        ledger.expect_replies(pending, ReplyCheck.of(s, rnd.server_round))
+        self._send(rnd, list(messages.values()), on_reply=ledger.accept_reply)
+        accepted = {u.slot for u in ledger.accepted_updates()}
         failed = [node for node in rnd.alive if rnd.slot(node) not in accepted]
         if failed and not final:
             for node in failed:
-                rnd.drop(node, s.rejection(node) or "no reply within the round timeout")
-            s.expect_replies(rnd.server_round, pending)
+                rnd.drop(node, ledger.rejection(node) or "no reply within the round timeout")
+            ledger.expect_replies(pending, ReplyCheck.of(s, rnd.server_round))
             return True
         for node, why in rnd.dropped.items():
-            s.fail_slot(rnd.slot(node), f"dropped from secure recombination: {why}")
+            ledger.fail_slot(rnd.slot(node), f"dropped from secure recombination: {why}")
         if rnd.exchanged and not failed:
             log(INFO, "round %d: secure recombination: %d round trips, %d ciphertext bytes relayed", rnd.server_round, rnd.round_trips, rnd.relayed_bytes)
         return bool(failed)

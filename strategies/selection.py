@@ -49,6 +49,19 @@ class ClientSelector(ABC):
         (default: its node id)."""
         return f"node:{node_id:020d}"
 
+    def ordered_nodes(self, grid: Grid, minimum: int) -> list[int]:
+        """The connected node ids ordered by their stable keys (default: by :meth:`node_key`,
+        without waiting for ``minimum`` nodes)."""
+        return sorted(grid.get_node_ids(), key=lambda n: (self.node_key(n), n))
+
+    def num_examples(self, node_id: int) -> int | None:
+        """The node's number of training examples where the selector knows it (default: None)."""
+        return None
+
+    def roster_keys(self) -> list[str]:
+        """The stable keys of every node ordered so far (default: none kept)."""
+        return []
+
     def observe(self, server_round: int, updates: Sequence[ClientUpdate], sent: Sequence[ModelDict]) -> None:
         """Called with the round's accepted updates and the model each was sent, before the
         method aggregates. Default: nothing."""

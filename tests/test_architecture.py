@@ -311,8 +311,8 @@ def test_the_bench_uses_no_private_name_of_the_product() -> None:
     """bench/ measures the product through its public API: a benchmark that patches a private
     function breaks silently when the product renames it (or times the wrong thing)."""
     private = private_product_names()
-    assert {"_pending", "_classifier", "_begin_replies"} <= private  # the collector sees defs and self attributes
-    planted = ast.parse("from strategies.base import _x\nstrategy._round_updates\naround(runner, '_begin_replies')")
+    assert {"_pending", "_classifier", "_aggregate_finite"} <= private  # the collector sees defs and self attributes
+    planted = ast.parse("from strategies.base import _x\nstrategy._updates\naround(runner, '_aggregate_finite')")
     assert len(private_uses(planted, private | {"_x"})) == 3
     bad = [f"{path.relative_to(REPO)}:{use}" for path in sorted((REPO / "bench").glob("*.py"))
            for use in private_uses(ast.parse(path.read_text(encoding="utf-8")), private)]
@@ -349,3 +349,4 @@ def test_the_secure_recombination_names_live_beside_the_secure_code() -> None:
                 if isinstance(node, ast.Constant) and node.value in distinctive:
                     bad.append(f"{path.relative_to(REPO)}:{node.lineno} {node.value!r}")
     assert not bad, bad
+

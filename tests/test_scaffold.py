@@ -119,7 +119,7 @@ def effective_controls(nodes: Nodes, grid: FakeGrid, strategy: ScaffoldServer) -
             out.append(None)
             continue
         pending = f"{STATE_PENDING}/{scaffold_client.CONTROL_STATE}"
-        if STATE_PENDING in state and int(state[STATE_PENDING]["round"]) <= strategy.accepted_rounds.get(node_id, 0):
+        if STATE_PENDING in state and int(state[STATE_PENDING]["round"]) <= strategy.replies.accepted_rounds.get(node_id, 0):
             out.append(record_to_model(state[pending]))
         elif scaffold_client.CONTROL_STATE in state:
             out.append(record_to_model(state[scaffold_client.CONTROL_STATE]))

@@ -16,7 +16,7 @@ from flwr.serverapp.strategy import (
 
 from fedmm import protocol
 from strategies import FedAvg, FedCross, FedMR
-from strategies.base import WrapperRefused
+from strategies.wrappers import WrapperRefused
 from tests.fakes import FakeGrid
 
 WRAPPERS = [

@@ -1,0 +1,198 @@
+"""The evaluation half of the round loop, and the metrics of replies.
+
+:class:`FederatedEvaluation` is the part of :class:`~strategies.base.RoundLoopStrategy` that
+evaluates: Flower's ``configure_evaluate`` / ``aggregate_evaluate`` (federated evaluation of the
+global model on a seeded ``fraction_evaluate`` of the nodes), the central evaluation of each
+round (``evaluate_fn``, also on each of the server's models with ``evaluate_models``), the models
+the runner's central evaluation reports on, and the aggregated train metrics of a round.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from logging import INFO, WARNING
+from typing import TYPE_CHECKING
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
+from flwr.supercore import log
+
+from fedmm import protocol
+from fedmm.protocol import ClientUpdate, ModelDict
+from strategies.loop_log import MultiModelResult, metrics_text
+
+if TYPE_CHECKING:
+    from strategies.selection import ClientSelector
+
+#: Flower's metric aggregation function: (the replies' RecordDicts, the weighting key) -> MetricRecord.
+MetricsAggregation = Callable[[list[RecordDict], str], MetricRecord]
+
+#: A central evaluation: (round, arrays) -> metrics (None: nothing to report).
+EvaluateFn = Callable[[int, ArrayRecord], MetricRecord | None]
+
+#: Keyword arguments every strategy takes besides its settings: Flower's record conventions
+#: (the keys a ClientApp reads and writes) and per-model evaluation.
+INTERFACE_DEFAULTS: dict[str, Any] = {
+    "weighted_by_key": protocol.NUM_EXAMPLES,
+    "arrayrecord_key": protocol.ARRAYS,
+    "configrecord_key": protocol.CONFIG,
+    "train_metrics_aggr_fn": None,
+    "evaluate_metrics_aggr_fn": None,
+    "evaluate_models": False,
+}
+
+
+def default_metrics_aggregation(records: list[RecordDict], weighted_by_key: str) -> MetricRecord:
+    """Flower's default: the mean of every numeric metric the replies share, weighted by
+    ``weighted_by_key`` (summed into the record, as the round's total)."""
+    return MetricRecord(protocol.weighted_metrics(
+        [{k: float(v) for r in rd.metric_records.values() for k, v in r.items() if isinstance(v, (int, float))}
+         for rd in records], weighted_by_key))
+
+
+class FederatedEvaluation(Strategy):
+    """Evaluation and reply metrics of a round-loop strategy (module docstring).
+
+    Reads the strategy's ``selector``, ``models``, ``fraction_evaluate``, Flower's record
+    conventions (``weighted_by_key``, ``arrayrecord_key``, ``configrecord_key``,
+    ``train_metrics_aggr_fn``, ``evaluate_metrics_aggr_fn``, ``evaluate_models``) and sends
+    with its ``send``.
+    """
+
+    selector: ClientSelector
+    models: list[ModelDict] | None
+    fraction_evaluate: float
+    weighted_by_key: str
+    arrayrecord_key: str
+    configrecord_key: str
+    train_metrics_aggr_fn: MetricsAggregation | None
+    evaluate_metrics_aggr_fn: MetricsAggregation | None
+    evaluate_models: bool
+    send: Callable[..., list[Message]]
+
+    #: Federated-evaluation metrics of the current round (None when clients did not evaluate).
+    last_evaluate_metrics: dict[str, float] | None = None
+
+    # ================================================================== hooks
+    def models_to_evaluate(self) -> list[ModelDict] | None:
+        """Several models for the central evaluation to report on (mean and spread of their
+        accuracy), or None: the global model is evaluated (default)."""
+        return None
+
+    def models_to_track(self) -> list[ModelDict] | None:
+        """Models whose own accuracy the central evaluation records beside the global model's
+        (``model_<i>_accuracy``), or None (default)."""
+        return None
+
+    # ================================================================== Flower Strategy API
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Federated evaluation of the global model on a seeded ``fraction_evaluate`` of the nodes."""
+        if self.fraction_evaluate <= 0.0:
+            return []
+        num_nodes = len(list(grid.get_node_ids()))
+        size = max(1, min(num_nodes, int(num_nodes * self.fraction_evaluate)))
+        node_config = {**dict(config), protocol.SERVER_ROUND: server_round}
+        node_ids = self.selector.select(grid, server_round, size, stream=1)
+        log(INFO, "configure_evaluate: Sampled %s nodes (out of %s)", len(node_ids), num_nodes)
+        return [protocol.server_message(protocol.EVALUATE, n, node_config, arrays, arrays_key=self.arrayrecord_key,
+                                        config_key=self.configrecord_key) for n in node_ids]
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        """Example-weighted mean of the metrics of the valid evaluate replies (no error, every
+        metric finite, ``num-examples`` a count, ``accuracy`` in [0, 1], ``loss`` >= 0); each
+        rejected reply is logged with its node and reason."""
+        valid, contents = [], []
+        rejected: dict[str, list[int]] = {}  # one line per reason, however many nodes gave it
+        replies = list(replies)
+        for reply in replies:
+            node = reply.metadata.src_node_id
+            if reply.has_error():
+                reason = f"client error: {protocol.printable(protocol.client_error(reply.error.reason))}"
+                if "No evaluate function registered" in reply.error.reason:
+                    reason = "the ClientApp has no evaluate handler (set fraction_evaluate=0, or add @app.evaluate())"
+                rejected.setdefault(reason, []).append(node)
+                continue
+            metrics = protocol.reply_metrics(reply)
+            reason = protocol.check_evaluate_metrics(metrics, self.weighted_by_key)
+            if reason:
+                rejected.setdefault(reason, []).append(node)
+                continue
+            valid.append(metrics)
+            contents.append(RecordDict({protocol.METRICS: MetricRecord(metrics)}))
+        log(INFO, "aggregate_evaluate: Received %s results and %s failures", len(valid), len(replies) - len(valid))
+        for reason, nodes in rejected.items():
+            shown = ", ".join(str(n) for n in nodes[:3]) + (f" and {len(nodes) - 3} more" if len(nodes) > 3 else "")
+            log(WARNING, "round %d: %d evaluate repl%s rejected (node %s): %s", server_round, len(nodes),
+                "y" if len(nodes) == 1 else "ies", shown, reason)
+        if not valid:
+            return None
+        if self.evaluate_metrics_aggr_fn is not None:
+            return self.evaluate_metrics_aggr_fn(contents, self.weighted_by_key)
+        return MetricRecord(protocol.weighted_metrics(valid, self.weighted_by_key))
+
+    # ================================================================== one round's evaluation
+    def evaluate_initial(self, arrays: ArrayRecord, evaluate_fn: EvaluateFn | None, result: MultiModelResult) -> None:
+        """The central evaluation of the initial model (round 0), into ``result``."""
+        if evaluate_fn:
+            res = evaluate_fn(0, arrays)
+            log(INFO, "Initial global evaluation results: %s", metrics_text(res))
+            if res is not None:
+                result.evaluate_metrics_serverapp[0] = res
+
+    def evaluate_round(
+        self, server_round: int, grid: Grid, arrays: ArrayRecord, config: ConfigRecord, timeout: float,
+        evaluate_fn: EvaluateFn | None, result: MultiModelResult,
+    ) -> None:
+        """The evaluation after a round's training: federated (its aggregate also in
+        :attr:`last_evaluate_metrics`), then central with ``evaluate_fn``; results into ``result``."""
+        eval_replies = self.send(grid, list(self.configure_evaluate(server_round, arrays, config, grid)), timeout)
+        self.last_evaluate_metrics = None
+        if eval_replies:
+            eval_metrics = self.aggregate_evaluate(server_round, eval_replies)
+            if eval_metrics is not None:
+                log(INFO, "\t└──> Aggregated MetricRecord: %s", metrics_text(eval_metrics))
+                result.evaluate_metrics_clientapp[server_round] = eval_metrics
+                self.last_evaluate_metrics = dict(eval_metrics)
+        if evaluate_fn:
+            log(INFO, "Global evaluation")
+            res = evaluate_fn(server_round, arrays)
+            log(INFO, "\t└──> MetricRecord: %s", metrics_text(res))
+            if res is not None:
+                result.evaluate_metrics_serverapp[server_round] = res
+            if self.evaluate_models and self.models:
+                result.evaluate_metrics_models[server_round] = self.evaluate_each_model(server_round, evaluate_fn)
+
+    def evaluate_each_model(self, server_round: int, evaluate_fn: EvaluateFn) -> list[MetricRecord]:
+        """``evaluate_fn`` on each of the server's models (those it sends out next round), logged
+        one line per model; a model the function returns None for gets an empty record."""
+        records = []
+        for index, model in enumerate(self.models or []):
+            res = evaluate_fn(server_round, protocol.model_to_record(model))
+            log(INFO, "\t└──> model %d: %s", index, metrics_text(res))
+            records.append(res if res is not None else MetricRecord())
+        return records
+
+    # ================================================================== train metrics
+    def train_metrics(self, updates: list[ClientUpdate]) -> MetricRecord:
+        """The round's aggregated train metrics: ``train_metrics_aggr_fn`` over the accepted
+        replies' metrics, or the example-weighted mean plus the count of accepted ``replies``."""
+        if self.train_metrics_aggr_fn is not None:
+            if not updates:
+                return MetricRecord()
+            return self.train_metrics_aggr_fn(
+                [RecordDict({protocol.METRICS: MetricRecord(u.metrics)}) for u in updates], self.weighted_by_key)
+        metrics = protocol.weighted_metrics((u.metrics for u in updates), self.weighted_by_key) if updates else {}
+        metrics["replies"] = float(len(updates))
+        return MetricRecord(metrics)
+
+
+def client_metrics(updates: list[ClientUpdate], weighted_by_key: str) -> dict[str, float]:
+    """The mean over ``updates`` of each metric a client objective reports of its own (not the
+    weighting key, not the training metrics every client reports), named with ``_`` for ``-``."""
+    logged = sorted({k for u in updates for k in u.metrics} - {weighted_by_key, *protocol.TRAINING_METRICS})
+    return {key.replace("-", "_"): float(np.mean([u.metrics[key] for u in updates if key in u.metrics])) for key in logged}
+
