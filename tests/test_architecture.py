@@ -350,3 +350,60 @@ def test_the_secure_recombination_names_live_beside_the_secure_code() -> None:
                     bad.append(f"{path.relative_to(REPO)}:{node.lineno} {node.value!r}")
     assert not bad, bad
 
+
+# ============================================================================ the round loop's size
+#: The limits of the round loop's class (strategies/base.py): its parts live in their own modules
+#: (the ledger, evaluation, loop logging, messaging, the defence stage).
+ROUND_LOOP_LIMITS = {"lines": 450, "public_methods": 20, "instance_attributes": 12, "finish_train_lines": 20}
+
+
+def round_loop_measures(source: str) -> dict[str, int]:
+    """Lines of base.py; of ``RoundLoopStrategy``: the public methods its body defines, the distinct
+    ``self.X = ...`` stores of its methods, the lines of ``finish_train``."""
+    tree = ast.parse(source)
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "RoundLoopStrategy")
+    methods = [f for f in cls.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    stored = set()
+    for node in ast.walk(cls):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
+        for target in targets:
+            for element in target.elts if isinstance(target, ast.Tuple) else [target]:
+                if isinstance(element, ast.Attribute) and isinstance(element.value, ast.Name) and element.value.id == "self":
+                    stored.add(element.attr)
+    finish = next(f for f in methods if f.name == "finish_train")
+    return {"lines": len(source.splitlines()), "public_methods": sum(not f.name.startswith("_") for f in methods),
+            "instance_attributes": len(stored), "finish_train_lines": finish.end_lineno - finish.lineno + 1}
+
+
+def test_the_round_loop_stays_small() -> None:
+    """strategies/base.py holds the loop, not its parts: at most 450 lines; RoundLoopStrategy defines
+    at most 20 public methods and stores at most 12 attributes; finish_train reads in one screen."""
+    measures = round_loop_measures((REPO / "strategies" / "base.py").read_text(encoding="utf-8"))
+    over = {k: f"{v} > {ROUND_LOOP_LIMITS[k]}" for k, v in measures.items() if v > ROUND_LOOP_LIMITS[k]}
+    assert not over, over
+    planted = "class RoundLoopStrategy:\n    def a(self):\n        self.x, self.y = 1, 2\n        self.z: int = 3\n" \
+              "    def _b(self):\n        self.x += 1\n    def finish_train(self):\n        pass\n"
+    assert round_loop_measures(planted) == {"lines": 8, "public_methods": 2, "instance_attributes": 3, "finish_train_lines": 2}
+
+
+def test_the_rounds_share_one_preamble_and_one_reply_check() -> None:
+    """The synchronous, asynchronous and secure rounds start with ``begin_round`` and check a train
+    reply with the ledger's ``ReplyCheck``; the secure relay writes none of the strategy's state; no
+    round-loop module probes a declared field with getattr/hasattr and a literal name."""
+    loop = ["base", "ledger", "asynchronous", "secure_recombination", "heterogeneity", "evaluation", "loop_log"]
+    trees = {name: ast.parse((REPO / "strategies" / f"{name}.py").read_text(encoding="utf-8")) for name in loop}
+
+    def calls(tree: ast.AST, name: str) -> list[ast.Call]:
+        return [n for n in ast.walk(tree) if isinstance(n, ast.Call) and
+                (getattr(n.func, "attr", None) == name or getattr(n.func, "id", None) == name)]
+
+    assert [name for name, tree in trees.items() if calls(tree, "decode_train_reply")] == ["ledger"]
+    assert [name for name, tree in trees.items() if calls(tree, "record_to_model")] == ["base"]
+    assert {"base", "asynchronous", "secure_recombination"} <= {name for name, tree in trees.items() if calls(tree, "begin_round")}
+    writes = [ast.unparse(t) for n in ast.walk(trees["secure_recombination"]) if isinstance(n, (ast.Assign, ast.AugAssign))
+              for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+              if isinstance(t, (ast.Attribute, ast.Subscript)) and ast.unparse(t).startswith(("s.", "strategy.", "self._strategy."))]
+    assert not writes, writes
+    probes = [f"{name}:{n.lineno}" for name, tree in trees.items() for n in calls(tree, "getattr") + calls(tree, "hasattr")
+              if len(n.args) >= 2 and isinstance(n.args[1], ast.Constant) and (n.func.id == "hasattr" or len(n.args) == 3)]
+    assert not probes, probes
