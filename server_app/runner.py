@@ -274,7 +274,7 @@ def run_locked(grid: Grid, cfg: RunSettings, run_dir: Path, checkpoint: dict[str
                 "bytes_received": counting.bytes_received,
             }
             if server_round > 0:
-                row["replies"] = strategy.last_replies
+                row["replies"] = strategy.last_round.replies
                 row.update({key: float(value) for key, value in strategy.round_log.items()})
                 federated = strategy.last_evaluate_metrics
                 if federated:  # clients' held-out rows, example-weighted

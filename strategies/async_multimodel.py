@@ -98,7 +98,7 @@ class AsyncMultiModel(AsyncRoundLoop):
                     self.arrived[update.slot] = None  # the model comes back as it was sent
             for reason in self.failures[before:]:
                 log(WARNING, "\t> rejected: %s", reason)
-            self.last_rejections = list(self.failures)
+            self.last_round.rejections = list(self.failures)
             updates = kept
         current = list(self.models)
         for update in updates:
@@ -123,14 +123,14 @@ class AsyncMultiModel(AsyncRoundLoop):
         if bad:
             self.models, self.global_model = previous
             log(ERROR, "round %d: the aggregate has NaN/Inf in %s; the models before it are kept", server_round, bad)
-            self.last_replies = 0
+            self.last_round.replies = 0
             metrics["replies"] = 0.0
             self.version += 1
             return None, metrics
         self.version += 1
         self.global_model = global_model
         self.freeze()
-        self.last_replies = len(updates)
+        self.last_round.replies = len(updates)
         self.log_round(server_round, len(updates), len(indices))
         return protocol.model_to_record(global_model), metrics
 

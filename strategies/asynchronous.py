@@ -213,7 +213,7 @@ class AsyncRoundLoop(RoundLoopStrategy):
             if self.arrive(server_round, job):
                 break
             self.dispatch(grid)
-        self.last_rejections = list(self.failures)
+        self.last_round.rejections = list(self.failures)
         self.round_log.update({"virtual_time": self.clock.now, "in_flight": float(len(self.jobs))})
         version = self.version
         result = self.close(server_round)

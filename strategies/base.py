@@ -42,9 +42,9 @@ from fedmm import protocol
 from fedmm.protocol import ClientUpdate, ModelDict
 from strategies.aggregation import non_finite_key
 from strategies.defence import defend
-from strategies.evaluation import INTERFACE_DEFAULTS, EvaluateFn, FederatedEvaluation, client_metrics
+from strategies.evaluation import Conventions, EvaluateFn, FederatedEvaluation, client_metrics
 from strategies.heterogeneity import VirtualClock
-from strategies.ledger import ReplyCheck, ReplyLedger
+from strategies.ledger import ReplyCheck, ReplyLedger, RoundOutcome
 from strategies.loop_log import MultiModelResult, connected, log_end, log_round, log_start, log_summary, log_train_round
 from strategies.messaging import exchange
 from strategies.selection import ClientSelector, SeededRosterSelector
@@ -122,11 +122,8 @@ class RoundLoopStrategy(FederatedEvaluation):
             raise ValueError(f"clients_per_round must be >= 1, got {clients_per_round}")
         if fraction_evaluate is not None:
             changes["fraction_evaluate"] = fraction_evaluate
-        for name, default in INTERFACE_DEFAULTS.items():  # Flower's conventions, not settings
-            setattr(self, name, changes.pop(name, default))
-        for name in ("weighted_by_key", "arrayrecord_key", "configrecord_key"):
-            if not isinstance(getattr(self, name), str) or not getattr(self, name):
-                raise ValueError(f"{name} must be a non-empty string, got {getattr(self, name)!r}")
+        #: Flower's record conventions and per-model evaluation, read as attributes (not settings).
+        self.conventions = Conventions.take(changes)
         settings = settings if settings is not None else self.Settings()
         if not isinstance(settings, self.Settings):
             raise TypeError(f"{type(self).__name__} takes {self.Settings.__name__}, got {type(settings).__name__}")
@@ -144,8 +141,7 @@ class RoundLoopStrategy(FederatedEvaluation):
         #: The model evaluated and saved as the run's result.
         self.global_model: ModelDict | None = None
         #: Replies accepted in the last round, and why the others were rejected.
-        self.last_replies = 0
-        self.last_rejections: list[str] = []
+        self.last_round = RoundOutcome()
         #: Numbers a method reports about its own round (e.g. FedExP's server step size), written
         #: into the round's row of ``metrics.jsonl``; reset at the start of every round.
         self.round_log: dict[str, float] = {}
@@ -159,9 +155,10 @@ class RoundLoopStrategy(FederatedEvaluation):
         return cls(run.clients_per_round, run.seed, settings=run.strategy)
 
     def __getattr__(self, name: str) -> Any:
-        settings = self.__dict__.get("settings")
-        if settings is not None and name in type(settings).__dataclass_fields__:
-            return getattr(settings, name)
+        for group in ("conventions", "settings"):  # self.weighted_by_key, self.alpha
+            held = self.__dict__.get(group)
+            if held is not None and name in type(held).__dataclass_fields__:
+                return getattr(held, name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # ================================================================== method hooks
@@ -285,7 +282,7 @@ class RoundLoopStrategy(FederatedEvaluation):
         self.round_log["virtual_time"] = self.clock.now
         if updates and self.models:
             updates = self._defend(server_round, updates, rejected)
-        self.last_replies, self.last_rejections = len(updates), rejected
+        self.last_round.replies, self.last_round.rejections = len(updates), rejected
         log_train_round(server_round, len(updates), sent, rejected)
         self.round_log.update(client_metrics(updates, self.weighted_by_key))
         for update in updates:
@@ -312,7 +309,7 @@ class RoundLoopStrategy(FederatedEvaluation):
         if bad:
             self.models, self.global_model = previous
             log(ERROR, "round %d: the aggregate has NaN/Inf in %s; the models of the previous round are kept", server_round, bad)
-            self.last_replies = 0
+            self.last_round.replies = 0
             if "replies" in metrics:
                 metrics["replies"] = 0.0
             return None
@@ -420,10 +417,10 @@ class RoundLoopStrategy(FederatedEvaluation):
             log(INFO, "")
             log(INFO, "[ROUND %s/%s]", current_round, num_rounds)
             agg_arrays, train_metrics = self.run_round(current_round, grid, arrays, train_config, timeout)
-            failed_rounds = failed_rounds + 1 if self.last_replies == 0 else 0
+            failed_rounds = failed_rounds + 1 if self.last_round.replies == 0 else 0
             if max_failed_rounds and failed_rounds >= max_failed_rounds:
                 first = current_round - failed_rounds + 1
-                why = self.last_rejections[0] if self.last_rejections else "no node was selected"
+                why = self.last_round.rejections[0] if self.last_round.rejections else "no node was selected"
                 raise RunFailed(
                     f"no client reply was accepted in {failed_rounds} consecutive rounds ({first}..{current_round}; "
                     f"max_failed_rounds={max_failed_rounds}); e.g. {why}"

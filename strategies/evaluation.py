@@ -10,8 +10,9 @@ the runner's central evaluation reports on, and the aggregated train metrics of 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, fields
 from logging import INFO, WARNING
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -32,16 +33,28 @@ MetricsAggregation = Callable[[list[RecordDict], str], MetricRecord]
 #: A central evaluation: (round, arrays) -> metrics (None: nothing to report).
 EvaluateFn = Callable[[int, ArrayRecord], MetricRecord | None]
 
-#: Keyword arguments every strategy takes besides its settings: Flower's record conventions
-#: (the keys a ClientApp reads and writes) and per-model evaluation.
-INTERFACE_DEFAULTS: dict[str, Any] = {
-    "weighted_by_key": protocol.NUM_EXAMPLES,
-    "arrayrecord_key": protocol.ARRAYS,
-    "configrecord_key": protocol.CONFIG,
-    "train_metrics_aggr_fn": None,
-    "evaluate_metrics_aggr_fn": None,
-    "evaluate_models": False,
-}
+@dataclass(frozen=True)
+class Conventions:
+    """Keyword arguments every strategy takes besides its settings, read as the strategy's own
+    attributes (``strategy.weighted_by_key``): Flower's record conventions (the keys a ClientApp
+    reads and writes, the metric aggregation functions) and per-model evaluation."""
+
+    weighted_by_key: str = protocol.NUM_EXAMPLES
+    arrayrecord_key: str = protocol.ARRAYS
+    configrecord_key: str = protocol.CONFIG
+    train_metrics_aggr_fn: Callable[[list[RecordDict], str], MetricRecord] | None = None
+    evaluate_metrics_aggr_fn: Callable[[list[RecordDict], str], MetricRecord] | None = None
+    evaluate_models: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("weighted_by_key", "arrayrecord_key", "configrecord_key"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"{name} must be a non-empty string, got {getattr(self, name)!r}")
+
+    @classmethod
+    def take(cls, changes: dict[str, Any]) -> Conventions:
+        """The conventions among ``changes`` (removed from it), the rest left as settings."""
+        return cls(**{f.name: changes.pop(f.name) for f in fields(cls) if f.name in changes})
 
 
 def default_metrics_aggregation(records: list[RecordDict], weighted_by_key: str) -> MetricRecord:

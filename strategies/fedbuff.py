@@ -172,7 +172,7 @@ class FedBuff(AsyncRoundLoop):
         assert self.models is not None
         updates, staleness = self.buffered, self.buffered_staleness
         if len(updates) < self.buffer():  # B failed jobs in a row: no step this round
-            self.last_replies = 0
+            self.last_round.replies = 0
             self.log_round(server_round, 0, self.failed_in_a_row)
             self.failed_in_a_row = 0
             return None, MetricRecord({"replies": 0.0})
@@ -182,14 +182,14 @@ class FedBuff(AsyncRoundLoop):
         self.buffered, self.buffered_staleness, self.delta = [], [], None
         if bad:
             log(ERROR, "round %d: the server step has NaN/Inf in %s; the model is kept", server_round, bad)
-            self.last_replies = 0
+            self.last_round.replies = 0
             return None, metrics
         self.version += 1
         self.models, self.global_model = [step], step
         self.versions[self.version] = step
         self.forget_versions()
         self.freeze()
-        self.last_replies = len(updates)
+        self.last_round.replies = len(updates)
         self.round_log.update({"staleness_mean": float(np.mean(staleness)), "staleness_max": float(max(staleness))})
         self.log_round(server_round, len(updates), len(updates) + len(self.failures))
         return protocol.model_to_record(step), metrics

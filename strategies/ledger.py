@@ -14,7 +14,7 @@ the array spec a reply must match and the round each node's reply was last accep
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from flwr.app import Message
@@ -25,6 +25,14 @@ from fedmm.protocol import ClientUpdate
 if TYPE_CHECKING:
     from strategies.heterogeneity import VirtualClock
     from strategies.selection import ClientSelector
+
+
+@dataclass
+class RoundOutcome:
+    """How the last round went: replies accepted, and why the others were rejected."""
+
+    replies: int = 0
+    rejections: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -370,6 +370,8 @@ def round_loop_measures(source: str) -> dict[str, int]:
             for element in target.elts if isinstance(target, ast.Tuple) else [target]:
                 if isinstance(element, ast.Attribute) and isinstance(element.value, ast.Name) and element.value.id == "self":
                     stored.add(element.attr)
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr":  # setattr(self, name, ...)
+            stored.add(ast.unparse(node.args[1]) if len(node.args) > 1 else "setattr")
     finish = next(f for f in methods if f.name == "finish_train")
     return {"lines": len(source.splitlines()), "public_methods": sum(not f.name.startswith("_") for f in methods),
             "instance_attributes": len(stored), "finish_train_lines": finish.end_lineno - finish.lineno + 1}
@@ -382,8 +384,8 @@ def test_the_round_loop_stays_small() -> None:
     over = {k: f"{v} > {ROUND_LOOP_LIMITS[k]}" for k, v in measures.items() if v > ROUND_LOOP_LIMITS[k]}
     assert not over, over
     planted = "class RoundLoopStrategy:\n    def a(self):\n        self.x, self.y = 1, 2\n        self.z: int = 3\n" \
-              "    def _b(self):\n        self.x += 1\n    def finish_train(self):\n        pass\n"
-    assert round_loop_measures(planted) == {"lines": 8, "public_methods": 2, "instance_attributes": 3, "finish_train_lines": 2}
+              "    def _b(self):\n        self.x += 1\n        setattr(self, name, 1)\n    def finish_train(self):\n        pass\n"
+    assert round_loop_measures(planted) == {"lines": 9, "public_methods": 2, "instance_attributes": 4, "finish_train_lines": 2}
 
 
 def test_the_rounds_share_one_preamble_and_one_reply_check() -> None:

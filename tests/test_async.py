@@ -152,7 +152,7 @@ def test_a_synchronous_round_lasts_as_long_as_its_slowest_client() -> None:
     # all 4 nodes every round: the slowest is max(batches × multiplier)
     longest = max((NODE_N[k] // 10) * clock.multiplier(k) for k in NODE_N)
     assert [r["virtual_time"] for r in rows] == [longest, 2 * longest]
-    assert longest >= 10.0 and strategy.last_replies == 4
+    assert longest >= 10.0 and strategy.last_round.replies == 4
 
 
 def test_the_deadline_rejects_the_straggler_by_name_and_the_round_goes_on() -> None:
@@ -161,9 +161,9 @@ def test_the_deadline_rejects_the_straggler_by_name_and_the_round_goes_on() -> N
     result = run(strategy, grid, 1, arrays=W0)
     slow = next(k for k in NODE_N if clock.multiplier(k) == 10.0)
     slow_node = next(n for n, k in grid.keys.items() if k == slow)
-    assert strategy.last_replies == 3
-    assert len(strategy.last_rejections) == 1
-    assert f"node {slow_node}" in strategy.last_rejections[0] and "straggler" in strategy.last_rejections[0]
+    assert strategy.last_round.replies == 3
+    assert len(strategy.last_round.rejections) == 1
+    assert f"node {slow_node}" in strategy.last_round.rejections[0] and "straggler" in strategy.last_round.rejections[0]
     assert strategy.round_log["virtual_time"] == 6.0  # the server waited until the deadline
     others = [k for k in NODE_N if k != slow]
     expected = sum((int(k[-1]) + 1) * NODE_N[k] for k in others) / sum(NODE_N[k] for k in others)
@@ -217,7 +217,7 @@ def test_fedbuff_max_staleness_drops_the_too_stale_update() -> None:
     models = run_fedbuff(strategy, 2)
     d_a = DELTAS[key(0)].astype(np.float64)
     np.testing.assert_allclose(models[1], 0.5 * d_a + 0.5 * d_a, rtol=1e-6)
-    assert any("staleness 1 exceeds max_staleness (0)" in r for r in strategy.last_rejections)
+    assert any("staleness 1 exceeds max_staleness (0)" in r for r in strategy.last_round.rejections)
     assert strategy.clock.now == 4.0
 
 
@@ -254,7 +254,7 @@ def test_async_multimodel_max_staleness_restarts_the_stale_model_from_the_global
     grid = FakeGrid(sized(sizes, adder), num_nodes=2, examples=sizes)
     globals_, rejections = [], []
     strategy.start(grid, model_to_record({"w": np.zeros(2, np.float32)}), num_rounds=3, timeout=5.0, final_report=False,
-                   round_end=lambda r, a, res: (globals_.append(record_to_model(a)), rejections.append(strategy.last_rejections)))
+                   round_end=lambda r, a, res: (globals_.append(record_to_model(a)), rejections.append(strategy.last_round.rejections)))
     fast = next(job.model_index for job in strategy.jobs.values() if job.key == key(0))  # out on A for a third time
     stale = 1 - fast
     assert strategy.clock.now == 2.5 and rejections[2] and "restarts from the global model" in rejections[2][0]
@@ -296,7 +296,7 @@ def test_with_b_equal_k_the_async_method_is_the_synchronous_one(method: str, spe
     same_models(async_globals, sync_globals)
     assert async_times == sync_times and sync_times[0] > 0
     assert any(not np.array_equal(asyn.models[0][k], asyn.models[1][k]) for k in asyn.models[0])  # not trivially equal
-    assert "injected failure" in " ".join(asyn.last_rejections + sync.last_rejections)
+    assert "injected failure" in " ".join(asyn.last_round.rejections + sync.last_round.rejections)
 
 
 # ============================================================================ faults, order, resume
@@ -318,7 +318,7 @@ def test_a_dropped_client_neither_stalls_nor_loses_a_model() -> None:
     grid.push_messages = watched
     started = time.monotonic()
     failures: list[str] = []
-    run(strategy, grid, 6, timeout=0.2, round_end=lambda r, a, res: failures.extend(strategy.last_rejections))
+    run(strategy, grid, 6, timeout=0.2, round_end=lambda r, a, res: failures.extend(strategy.last_round.rejections))
     assert time.monotonic() - started < 10 and strategy.version == 6
     assert sent_to_dropped and any("no reply within 0.2s" in f for f in failures)
     index, model = sent_to_dropped[0]

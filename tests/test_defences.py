@@ -101,7 +101,7 @@ def test_a_non_finite_aggregate_keeps_the_previous_models() -> None:
     messages = list(strategy.configure_train(1, protocol.model_to_record(initial), ConfigRecord({"x": 1}), grid))
     with np.errstate(over="ignore"):
         out, metrics = strategy.aggregate_train(1, grid.send_and_receive(messages))
-    assert out is None and metrics["replies"] == 0.0 and strategy.last_replies == 0
+    assert out is None and metrics["replies"] == 0.0 and strategy.last_round.replies == 0
     np.testing.assert_array_equal(strategy.models[0]["w"], initial["w"])
     assert strategy.replies.accepted_rounds == {}  # the nodes' state of this round is not kept either
 

@@ -370,7 +370,7 @@ def run_first_round(cfg: dict[str, Any], data: dict[str, Path], num_clients: int
     result = strategy.start(grid=grid, initial_arrays=protocol.model_to_record(initial), num_rounds=1, train_config=config,
                             evaluate_config=config)
     assert not errors
-    assert strategy.last_replies == len(grid.sent) > 0  # every client sent a model (CluSamp: once even if drawn twice)
+    assert strategy.last_round.replies == len(grid.sent) > 0  # every client sent a model (CluSamp: once even if drawn twice)
     trained = strategy.models_to_evaluate() or [protocol.record_to_model(result.arrays)]
     for model in trained:
         assert set(model) == set(initial) and all(np.isfinite(v).all() for v in model.values())

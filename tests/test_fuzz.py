@@ -151,7 +151,7 @@ def test_train_replies_of_every_strategy(name: str, how: str, value: object) -> 
     arrays = protocol.model_to_record(initial)
     messages = list(strategy.configure_train(1, arrays, ConfigRecord({"x": 1}), grid))
     out, _ = strategy.aggregate_train(1, grid.send_and_receive(messages))  # never raises
-    assert strategy.last_replies == 2  # the hostile reply was rejected and counted out
+    assert strategy.last_round.replies == 2  # the hostile reply was rejected and counted out
     assert all(np.isfinite(v).all() for v in protocol.record_to_model(out).values() if v.dtype.kind == "f")
 
 
@@ -219,7 +219,7 @@ def test_secure_phase_replies(action: str, field: str, value: object) -> None:
     strategy.global_model = base
     config = ConfigRecord({protocol.RUN_CONFIG: json.dumps(RUN_CONFIG)})
     strategy.run_round(1, grid, protocol.model_to_record(base), config, timeout=10)  # never raises
-    assert strategy.last_replies <= 4
+    assert strategy.last_round.replies <= 4
     assert client_secure  # the real client handlers answered the other nodes
 
 
@@ -247,5 +247,5 @@ def test_a_reply_may_not_claim_more_examples_than_its_node_has(source: str) -> N
     grid = FakeGrid(node, num_nodes=3, examples={f"partition:{i:09d}": 20 for i in range(3)})
     messages = list(strategy.configure_train(1, protocol.model_to_record(model()), ConfigRecord({"x": 1}), grid))
     strategy.aggregate_train(1, grid.send_and_receive(messages))
-    assert strategy.last_replies == 2
-    assert any("exceeds" in r and ("roster" in r if source == "roster" else "max_num_examples" in r) for r in strategy.last_rejections)
+    assert strategy.last_round.replies == 2
+    assert any("exceeds" in r and ("roster" in r if source == "roster" else "max_num_examples" in r) for r in strategy.last_round.rejections)

@@ -148,7 +148,7 @@ def test_a_rejected_reply_leaves_the_nodes_c_i_as_the_server_counts_it() -> None
     for rnd in (1, 2, 3):
         run(strategy, grid, [rnd])
         if rnd == 1:
-            assert strategy.last_replies == 2
+            assert strategy.last_round.replies == 2
         controls = [ci for ci in effective_controls(nodes, grid, strategy) if ci is not None]
         for key, value in strategy.control.items():
             mean = sum(ci[key].astype(np.float64) for ci in controls) / n

@@ -203,7 +203,7 @@ def test_node_refuses_steps_out_of_order() -> None:
 def test_round_keeps_every_trained_layer_in_exactly_one_upload(mode: str) -> None:
     strategy, grid, nodes = run_secure_round(mode)
     uploads = strategy._test_uploads
-    assert len(uploads) == 5 and strategy.last_replies == 5
+    assert len(uploads) == 5 and strategy.last_round.replies == 5
     keys_by_node = grid.keys
     uploaded = {keys_by_node[node]: model for node, model in uploads.items()}
     if mode in ("after", "both"):
@@ -273,7 +273,7 @@ def test_failure_rolls_back_and_loses_nothing(action: str, how: str) -> None:
     assert multiset(uploads.values()) == multiset(survivors.values())
     assert strategy.round_log["secure_dropped"] == 1.0
     assert strategy.round_log["secure_attempts"] == 2.0 and strategy.round_log["secure_exchanged"] == 1.0
-    assert any("dropped from secure recombination" in r for r in strategy.last_rejections)
+    assert any("dropped from secure recombination" in r for r in strategy.last_round.rejections)
     # the victim's slot keeps the model it was dispatched (plain FedMR's rule for a failed node)
     victim_node = next(n for n, k in grid.keys.items() if k == victim)
     assert victim_node in strategy.secure.dispatched
@@ -310,7 +310,7 @@ def test_tampered_and_replayed_ciphertexts_are_rejected_with_a_reason(monkeypatc
 
     monkeypatch.setattr(server.SecureRecombination, "_route", tampering_route)
     strategy, grid, nodes = run_secure_round("after", num_nodes=4)
-    assert any("failed authentication" in reason and "tampered" in reason for reason in strategy.last_rejections)
+    assert any("failed authentication" in reason and "tampered" in reason for reason in strategy.last_round.rejections)
     uploads = {grid.keys[n]: m for n, m in strategy._test_uploads.items()}
     # the receiver and the sender it names were dropped (the relay cannot tell which one lies),
     # the retry completed without them
@@ -332,7 +332,7 @@ def test_tampered_and_replayed_ciphertexts_are_rejected_with_a_reason(monkeypatc
 
     monkeypatch.setattr(server.SecureRecombination, "_route", replaying_route)
     strategy, grid, nodes = run_secure_round("after", num_nodes=4)
-    assert any("failed authentication" in reason for reason in strategy.last_rejections)
+    assert any("failed authentication" in reason for reason in strategy.last_round.rejections)
     assert strategy.round_log["secure_dropped"] >= 1.0
     uploads = {grid.keys[n]: m for n, m in strategy._test_uploads.items()}
     dropped = {k for k in nodes.trained if k not in uploads}
