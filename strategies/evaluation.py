@@ -9,7 +9,7 @@ the runner's central evaluation reports on, and the aggregated train metrics of 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields
 from logging import INFO, WARNING
 from typing import TYPE_CHECKING, Any
@@ -114,15 +114,18 @@ class FederatedEvaluation(Strategy):
         return [protocol.server_message(protocol.EVALUATE, n, node_config, arrays, arrays_key=self.arrayrecord_key,
                                         config_key=self.configrecord_key) for n in node_ids]
 
-    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message], sent_to: Mapping[str, int] | None = None
+    ) -> MetricRecord | None:
         """Example-weighted mean of the metrics of the valid evaluate replies (no error, every
         metric finite, ``num-examples`` a count, ``accuracy`` in [0, 1], ``loss`` >= 0); each
-        rejected reply is logged with its node and reason."""
+        rejected reply is logged with its node and reason: the node its message was sent to
+        (``sent_to``: message id -> node id), else the reply's source."""
         valid, contents = [], []
         rejected: dict[str, list[int]] = {}  # one line per reason, however many nodes gave it
         replies = list(replies)
         for reply in replies:
-            node = reply.metadata.src_node_id
+            node = (sent_to or {}).get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id)
             if reply.has_error():
                 reason = f"client error: {protocol.printable(protocol.client_error(reply.error.reason))}"
                 if "No evaluate function registered" in reply.error.reason:
@@ -162,10 +165,14 @@ class FederatedEvaluation(Strategy):
     ) -> None:
         """The evaluation after a round's training: federated (its aggregate also in
         :attr:`last_evaluate_metrics`), then central with ``evaluate_fn``; results into ``result``."""
-        eval_replies = self.send(grid, list(self.configure_evaluate(server_round, arrays, config, grid)), timeout)
+        messages = list(self.configure_evaluate(server_round, arrays, config, grid))
+        sent = [message.metadata for message in messages]  # their ids are set when pushed
+        eval_replies = self.send(grid, messages, timeout)
         self.last_evaluate_metrics = None
         if eval_replies:
-            eval_metrics = self.aggregate_evaluate(server_round, eval_replies)
+            # an error reply Flower builds for a lost node carries the ServerApp's node id
+            sent_to = {metadata.message_id: metadata.dst_node_id for metadata in sent}
+            eval_metrics = self.aggregate_evaluate(server_round, eval_replies, sent_to)
             if eval_metrics is not None:
                 log(INFO, "\t└──> Aggregated MetricRecord: %s", metrics_text(eval_metrics))
                 result.evaluate_metrics_clientapp[server_round] = eval_metrics

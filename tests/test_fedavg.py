@@ -211,3 +211,31 @@ def test_an_error_reply_flower_builds_for_a_lost_node_blames_the_node_the_messag
         strategy.aggregate_train(1, replies)
     assert f"node {lost.metadata.dst_node_id}: client error: Reply message objects are unavailable" in caplog.text
     assert "node 1:" not in caplog.text
+
+
+def test_an_evaluate_error_reply_for_a_lost_node_blames_the_node_the_message_went_to(caplog) -> None:
+    """As for train replies: the evaluate rejection names the node the message was sent to."""
+    from flwr.app import Error, Message, MessageType
+
+    class LosingGrid(FakeGrid):
+        def send_and_receive(self, messages, *, timeout=None):  # noqa: ANN001, ANN202
+            messages = list(messages)
+            replies = super().send_and_receive(messages)
+            lost = next((m for m in messages if m.metadata.message_type == MessageType.EVALUATE
+                         and self.keys[m.metadata.dst_node_id].endswith("1")), None)
+            if lost is None:
+                return replies
+            self.lost = lost.metadata.dst_node_id
+            error = Message(Error(code=0, reason="Reply message objects are unavailable"), reply_to=lost)
+            error.metadata.__dict__["_src_node_id"] = 1  # the ServerApp's node id, as Flower's SuperLink sets it
+            return [r for r in replies if r.metadata.reply_to_message_id != lost.metadata.message_id] + [error]
+
+    def answering(msg, key):  # noqa: ANN001, ANN202
+        if msg.metadata.message_type == MessageType.EVALUATE:
+            return RecordDict({"metrics": MetricRecord({"accuracy": 0.5, "loss": 1.0, "num-examples": 10})})
+        return node(msg, key)
+
+    grid = LosingGrid(answering, num_nodes=3)
+    with caplog.at_level("WARNING"):
+        FedAvg(clients_per_round=3, seed=0, fraction_evaluate=1.0).start(grid, initial(), num_rounds=1, final_report=False)
+    assert f"1 evaluate reply rejected (node {grid.lost}): client error: Reply message objects are unavailable" in caplog.text
