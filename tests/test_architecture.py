@@ -187,15 +187,21 @@ def test_wire_keys_are_defined_only_in_the_protocol_module() -> None:
 
     wire = {protocol.SERVER_ROUND, protocol.MODEL_INDEX, protocol.RUN_CONFIG, protocol.NUM_EXAMPLES,
             protocol.ROSTER_QUERY, protocol.NODE_KEY}
+    bad = literals_outside(wire, PACKAGES, REPO / "fedmm" / "protocol.py")
+    assert not bad, bad
+
+
+def literals_outside(values: set, packages: tuple[str, ...] | list[str], owner: Path) -> list[str]:
+    """Where a string literal of ``values`` is written in the ``packages``' files other than ``owner``."""
     bad = []
-    for package in PACKAGES:
+    for package in packages:
         for path in (REPO / package).rglob("*.py"):
-            if path == REPO / "fedmm" / "protocol.py":
+            if path == owner:
                 continue
             for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-                if isinstance(node, ast.Constant) and node.value in wire:
+                if isinstance(node, ast.Constant) and node.value in values:
                     bad.append(f"{path.relative_to(REPO)}:{node.lineno} {node.value!r}")
-    assert not bad, bad
+    return bad
 
 
 # ============================================================================ explicit exports
@@ -340,14 +346,7 @@ def test_the_secure_recombination_names_live_beside_the_secure_code() -> None:
     # ("secure" alone is also the name of FedMR's settings group: not distinctive)
     distinctive = {v for v in secure.values() if "secure" in str(v) and v != "secure"}
     assert len(distinctive) == 7  # the four actions, secure-in, secure-out, secure-bytes-sealed
-    bad = []
-    for package in (*PACKAGES, "objectives"):
-        for path in (REPO / package).rglob("*.py"):
-            if path == REPO / "fedmm" / "secure_protocol.py":
-                continue
-            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-                if isinstance(node, ast.Constant) and node.value in distinctive:
-                    bad.append(f"{path.relative_to(REPO)}:{node.lineno} {node.value!r}")
+    bad = literals_outside(distinctive, (*PACKAGES, "objectives"), REPO / "fedmm" / "secure_protocol.py")
     assert not bad, bad
 
 
