@@ -16,12 +16,12 @@ WORKDIR /app
 
 # Dependencies only (see .dockerignore: pyproject.toml is the whole build context). As in the
 # Flower Docker docs, drop the `flwr[simulation]` requirement: the base image provides flwr,
-# and the Deployment Runtime needs no Ray.
-COPY --chown=app:app pyproject.toml .
+# and the Deployment Runtime needs no Ray. constraints.txt: the versions behind the published numbers.
+COPY --chown=app:app pyproject.toml constraints.txt ./
 RUN sed -i 's/.*flwr\[simulation\].*//' pyproject.toml \
     && python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
         > requirements.txt \
-    && python -m pip install -U --no-cache-dir -r requirements.txt
+    && python -m pip install -U --no-cache-dir -c constraints.txt -r requirements.txt
 
 # The run results of a ServerApp (results_root in conf/config.yaml) land here: mount a volume.
 RUN mkdir -p /app/fedmm-results

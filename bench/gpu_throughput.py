@@ -30,6 +30,7 @@ imports needs them. Writes bench/results/gpu_throughput.json.
 from __future__ import annotations
 
 import argparse
+import importlib.machinery
 import ast
 import json
 import os
@@ -80,6 +81,9 @@ def _stand_in_for_omegaconf() -> list[str]:
         stub.DictConfig = type("DictConfig", (_Missing,), {})
         stub.OmegaConf = type("OmegaConf", (_Missing,), {})
         stub.__fedmm_stand_in__ = True
+        # a spec without origin: importlib.util.find_spec("omegaconf") (torch 2.5's dynamo probes
+        # optional packages with it) raises for a module without one
+        stub.__spec__ = importlib.machinery.ModuleSpec("omegaconf", None)
         sys.modules["omegaconf"] = stub
         return ["omegaconf"]
     return []

@@ -5,7 +5,7 @@ before the last depends on ``num_rounds``; evaluation is every round).
 
 ``tests/fixtures/same_results/<preset>.jsonl`` are the metrics of
 ``fedmm -m strategy=<preset> num_rounds=5 seed=0``, recorded at a10fca9 (before the settings
-redesign) with torch 2.14.1, the version ``pyproject.toml`` pins. Byte and reply counts must
+redesign) with torch 2.14.1, the version ``constraints.txt`` pins. Byte and reply counts must
 match exactly; accuracy to ``ACCURACY_TOL`` and the test loss to ``LOSS_REL``: the same code and
 torch build on another CPU (its oneDNN / MKL kernels sum in another order) drifts from round 2
 on (docs/architecture.md, "Same results").
