@@ -230,6 +230,94 @@ def vectorized_objectives() -> list[str]:
                   if getattr(declared, "objective_class", None) is not None and declared.objective_class.vectorized)
 
 
+#: ``tracking.loggers``: what follows a run besides ``metrics.jsonl`` (always written: the
+#: record). name -> the package it needs (its extra installs it), None for the built-in ones.
+LOGGERS: dict[str, str | None] = {"tensorboard": None, "csv": None, "mlflow": "mlflow", "wandb": "wandb"}
+
+
+class _Loggers(Rule):
+    allowed = "a list of " + ", ".join(LOGGERS) + " (each at most once; [] for metrics.jsonl only)"
+
+    def ok(self, value: Any) -> bool:
+        return isinstance(value, (list, tuple)) and all(v in LOGGERS for v in value) and len(set(value)) == len(value)
+
+    def check(self, key: str, value: Any) -> None:
+        if isinstance(value, (list, tuple)):  # name the bad item, not the whole list
+            for item in value:
+                if not isinstance(item, str) or item not in LOGGERS:
+                    raise ConfigError(key, item, "one of " + ", ".join(LOGGERS) + " in the list")
+                if list(value).count(item) > 1:
+                    raise ConfigError(key, item, "each logger once in the list")
+        super().check(key, value)
+
+
+class _Name(Rule):
+    allowed = "a non-empty string"
+
+    def ok(self, value: Any) -> bool:
+        return isinstance(value, str) and bool(value.strip())
+
+
+@dataclass
+class MlflowSettings(Settings):
+    """MLflow (``tracking.loggers`` with ``mlflow``; ``pip install "fedmm[mlflow]"``)."""
+
+    keyed = False
+    tracking_uri: str | None = setting(None, Nullable(_Name(), "null or a tracking URI (http://host:5000, "
+                                                      "sqlite:////abs/path/mlflow.db, databricks, ...)"),
+                                       "null: $MLFLOW_TRACKING_URI when set, else sqlite:///<the run folder's parent>/"
+                                       "mlflow.db (a sweep's jobs share it; artifacts in mlartifacts/ beside it)")
+    experiment: str = setting("fedmm", _Name(), "the MLflow experiment the runs go to (created when missing)")
+
+
+@dataclass
+class WandbSettings(Settings):
+    """Weights & Biases (``tracking.loggers`` with ``wandb``; ``pip install "fedmm[wandb]"``)."""
+
+    keyed = False
+    project: str = setting("fedmm", _Name(), "the W&B project")
+    entity: str | None = setting(None, Nullable(_Name()), "the W&B team or user (null: your default entity)")
+    mode: str = setting("online", Choice("online", "offline"),
+                        "online: to the W&B server (needs `wandb login`) | offline: only into <run dir>/wandb "
+                        "(or $WANDB_DIR), for `wandb sync` from a machine with network")
+
+
+@dataclass
+class TrackingSettings(Settings):
+    """What follows a run besides ``metrics.jsonl``, which is always written (the record)."""
+
+    keyed = False
+    loggers: list = setting(["tensorboard", "csv"], _Loggers(),
+                            "tensorboard: <run dir>/tensorboard | csv: <run dir>/metrics.csv | mlflow | wandb: a run "
+                            "per fedmm run (the settings, the rounds' metrics by round, the final files)")
+    run_group: str | None = setting(None, Nullable(_Name()),
+                                    "groups runs: the W&B group and the name of the MLflow parent run the runs nest under "
+                                    "(found by this name). null: in a `fedmm -m` sweep, the sweep folder's last two parts "
+                                    "(2026-11-27/09-15-37-123456), one parent per sweep; else no group")
+    sweep: str | None = setting(None, Nullable(_Name()),
+                                "set by `fedmm -m` for each job: the sweep's folder (the MLflow parent run is found by "
+                                "it, under a file lock there, so parallel jobs make one)")
+    mlflow: MlflowSettings = setting(MlflowSettings(), help="MLflow")
+    wandb: WandbSettings = setting(WandbSettings(), help="Weights & Biases")
+
+    def check_values(self, prefix: str) -> None:
+        """A tracker's package must be installed; a tracker's settings only with the tracker."""
+        import importlib.util
+
+        for name in self.loggers:
+            package = LOGGERS[name]
+            if package is not None and importlib.util.find_spec(package) is None:
+                raise ConfigError(f"{prefix}loggers", name, f'a logger whose package is installed (pip install "fedmm[{name}]")')
+        for name in ("mlflow", "wandb"):
+            changed = getattr(self, name).differences()
+            if changed and name not in self.loggers:
+                key, value = next(iter(changed.items()))
+                raise ConfigError(f"{prefix}{name}.{key}", value, f"its default without {name} in {prefix}loggers "
+                                  f"(add it: {prefix}loggers=[{', '.join([*self.loggers, name])}])")
+        if self.run_group is not None and not {"mlflow", "wandb"} & set(self.loggers):
+            raise ConfigError(f"{prefix}run_group", self.run_group, f"null without mlflow or wandb in {prefix}loggers (they group runs)")
+
+
 @dataclass
 class RunSettings(Settings):
     """The run-level keys; a validated run also holds the settings of every config group.
@@ -239,6 +327,8 @@ class RunSettings(Settings):
     """
 
     keyed = False
+    #: Declared after runs were made: the values that reproduce those runs (TensorBoard and CSV).
+    added = {"tracking": TrackingSettings().to_dict()}
     num_rounds: int = setting(20, Int(min=1), "communication rounds")
     seed: int = setting(0, Int(min=0), "seeds partitioning, model init, client sampling and local shuffling")
     eval_every: int = setting(1, Int(min=1), "evaluate the global model every n rounds (and after the last)")
@@ -255,6 +345,7 @@ class RunSettings(Settings):
     round_timeout: float = setting(3600, Number(gt=0, allowed="seconds > 0"), "seconds to wait for the replies of one round")
     results_root: str = setting("~/fedmm-results", Str(), "`flwr run` results go to <results_root>/<timestamp>_...")
     output_dir: str | None = setting(None, Nullable(Str(), "null or a directory path"), "write into this exact directory")
+    tracking: TrackingSettings = setting(TrackingSettings(), help="experiment trackers (docs/usage.md)")
     objective: Settings = field(default=None)  # type: ignore[assignment]
     selection: Settings = field(default=None)  # type: ignore[assignment]
     strategy: Settings = field(default=None)  # type: ignore[assignment]
@@ -497,7 +588,8 @@ def as_run(cfg: RunSettings | DictConfig | Mapping[str, Any]) -> RunSettings:
 
 # =============================================================================== resume
 #: Keys a resumed run may change: it continues the run's own config otherwise.
-RESUME_CHANGEABLE = ("num_rounds", "checkpoint_every", "round_timeout", "max_failed_rounds", "min_nodes_timeout", "simulation")
+RESUME_CHANGEABLE = ("num_rounds", "checkpoint_every", "round_timeout", "max_failed_rounds", "min_nodes_timeout", "simulation",
+                     "tracking")
 
 
 def resume_config(run_dir: str | os.PathLike, changes: Mapping[str, Any] | Sequence[str] = ()) -> dict[str, Any]:
@@ -514,8 +606,8 @@ def resume_config(run_dir: str | os.PathLike, changes: Mapping[str, Any] | Seque
     if not config_file.is_file():
         raise ConfigError("resume", str(run_dir), "the directory of a fedmm run (it holds config.yaml and checkpoint.pt)")
     cfg = yaml.safe_load(config_file.read_text(encoding="utf-8"))
-    if isinstance(cfg, dict):  # a group added after runs were made: the option those runs used
-        for key, default in _GROUPS_ADDED.items():
+    if isinstance(cfg, dict):  # a group or run-level key added after runs were made: what those runs used
+        for key, default in {**_GROUPS_ADDED, **RunSettings.all_added()}.items():
             cfg.setdefault(key, copy.deepcopy(default))
         for group in GROUPS:  # keys declared after runs were made: the values those runs had
             values = cfg.get(group)

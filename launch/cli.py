@@ -17,8 +17,12 @@ This module is the composition root: the only place that imports both apps. Noth
 from __future__ import annotations
 
 import copy
+import json
 import logging
+import math
 import os
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +30,7 @@ os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 
 import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from hydra.experimental.callback import Callback  # noqa: E402
 from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
@@ -251,8 +256,169 @@ class JobFailed(RuntimeError):
     """A job of ``fedmm`` did not complete; the message says why."""
 
 
-#: (job directory, reason) of every failed job of this process (a multirun sweep goes on).
+#: (job directory, reason) of every failed job of this process's sweep (:class:`SweepOutcome`
+#: reads them from the job folders: the jobs may have run in other processes).
 FAILED_JOBS: list[tuple[str, str]] = []
+
+
+# ----------------------------------------------------------------------------- cluster launchers
+# What a job asks a scheduler for (hydra's submitit launcher: SLURM or local; hydra's Ray
+# launcher), from the run's own settings. The presets in conf/hydra/launcher/ (fedmm_slurm,
+# fedmm_submitit_local, fedmm_ray) write ``${fedmm_cpus:...}`` etc.; every value stays overridable
+# (``hydra.launcher.cpus_per_task=8``). Hydra resolves the launcher's config once per sweep, from
+# the sweep-level config (the command line without its swept values): every job of one
+# ``fedmm -m`` gets the same request (docs/usage.md).
+
+#: CPU cores for a job on the in-process engine: one ClientApp trains at a time, in fedmm's own
+#: process, on torch's threads (as many as the job gets); the server evaluates between rounds.
+#: A default, not a measurement: override ``hydra.launcher.cpus_per_task``.
+LOCAL_ENGINE_CPUS = 4
+#: GiB for the ServerApp's process (the dataset, the server's models, evaluation), and for each
+#: ClientApp process of the Ray engine beyond it (each holds the whole training split and torch).
+SERVER_MEM_GB = 4
+CLIENT_MEM_GB = 2
+
+
+def clients_at_once(engine: str, clients_per_round: int, num_supernodes: int) -> int:
+    """ClientApps that train at the same time: one on the in-process engine; on Ray a round's
+    sampled clients (``clients_per_round``, at most the federation), one actor each."""
+    return 1 if engine == "local" else max(1, min(int(clients_per_round), int(num_supernodes)))
+
+
+def job_cpus(engine: str, client_cpus: float, clients_per_round: int, num_supernodes: int) -> int:
+    """CPU cores for one job: :data:`LOCAL_ENGINE_CPUS` on the in-process engine; on the Ray
+    engine ``client_cpus`` for each ClientApp that trains at once, plus one for the ServerApp
+    (outside Ray's accounting). The job's private Ray sees these cores and sizes its actor pool
+    from them (⌊cores / client_cpus⌋ ClientApps)."""
+    if engine == "local":
+        return LOCAL_ENGINE_CPUS
+    return math.ceil(float(client_cpus) * clients_at_once(engine, clients_per_round, num_supernodes)) + 1
+
+
+def job_gpus(engine: str, device: str, client_gpus: float, clients_per_round: int, num_supernodes: int) -> int:
+    """Whole GPUs for one job. In-process engine: 1 with ``training.device=cuda``, else 0
+    (``auto`` follows the allocation: a job given no GPU trains on the CPU; ask for one with
+    ``hydra.launcher.gpus_per_node=1``). Ray engine: ⌈client_gpus × ClientApps at once⌉, at least
+    1 with ``training.device=cuda`` (the ServerApp evaluates there)."""
+    wants_cuda = 1 if device == "cuda" else 0
+    if engine == "local":
+        return wants_cuda
+    return max(math.ceil(float(client_gpus) * clients_at_once(engine, clients_per_round, num_supernodes)), wants_cuda)
+
+
+def job_mem_gb(engine: str, clients_per_round: int, num_supernodes: int) -> int:
+    """Memory for one job: :data:`SERVER_MEM_GB`, plus :data:`CLIENT_MEM_GB` per ClientApp process
+    (one, in-process, on the local engine; one per ClientApp at once on Ray). An estimate for
+    the papers' datasets (50,000 CIFAR images are 150 MB); raise ``hydra.launcher.mem_gb`` for
+    larger data or models."""
+    return SERVER_MEM_GB + CLIENT_MEM_GB * clients_at_once(engine, clients_per_round, num_supernodes)
+
+
+def register_resolvers() -> None:
+    """The ``fedmm_cpus`` / ``fedmm_gpus`` / ``fedmm_mem_gb`` resolvers of the launcher presets
+    (and ``fedmm_null_if_zero``: no GPU request at all rather than one for 0 GPUs).
+    Registered when this module is imported: a job process of submitit or Ray imports it when it
+    unpickles the task function, and may resolve the presets' values there too."""
+    from omegaconf import OmegaConf
+
+    resolvers = {"fedmm_cpus": job_cpus, "fedmm_gpus": job_gpus, "fedmm_mem_gb": job_mem_gb,
+                 "fedmm_null_if_zero": lambda value: None if int(value) == 0 else int(value)}  # sbatch: no --gpus-per-node=0
+    for name, function in resolvers.items():
+        OmegaConf.register_new_resolver(name, function, replace=True)
+
+
+register_resolvers()
+
+
+class SweepOutcome(Callback):
+    """Hydra callback (``main`` adds it to every ``fedmm -m``): after the sweep, in the process
+    that launched it, collect the failed jobs from the job folders into :data:`FAILED_JOBS`.
+
+    The jobs may have run elsewhere (submitit: other processes or SLURM nodes; Ray: tasks on a
+    cluster), so their own records are read: each job folder's ``summary.json`` (``_hydra_main``
+    writes one for a job that failed before its run did; a resumed job's is in the run it
+    continued), and a job folder without one failed without a word (killed, out of memory). The
+    job folders of this sweep are those under ``hydra.sweep.dir`` that hold a ``.hydra`` folder
+    written since the sweep started (a fixed sweep dir may hold an earlier sweep's jobs).
+    """
+
+    def __init__(self) -> None:
+        self.before: dict[str, float] = {}
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self.before = {str(d): m for d, m in _job_folders(Path(str(config.hydra.sweep.dir))).items()}
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        for job_dir, written in sorted(_job_folders(Path(str(config.hydra.sweep.dir))).items()):
+            if self.before.get(str(job_dir)) == written:
+                continue  # an earlier sweep's job
+            status, reason = job_status(job_dir)
+            if status != "completed":
+                FAILED_JOBS.append((str(job_dir), f"{status}: {reason}" if status != "failed" else reason))
+
+
+def _job_folders(sweep_dir: Path) -> dict[Path, float]:
+    """Hydra job folders under ``sweep_dir`` (any depth of ``hydra.sweep.subdir``) with the time
+    their ``.hydra/config.yaml`` was written."""
+    if not sweep_dir.is_dir():
+        return {}
+    found = {}
+    for saved in sweep_dir.glob("**/.hydra/config.yaml"):
+        if ".submitit" not in saved.parts:
+            found[saved.parent.parent] = saved.stat().st_mtime
+    return found
+
+
+def job_status(job_dir: Path) -> tuple[str, str]:
+    """(status, reason) of the job in hydra job folder ``job_dir``: its ``summary.json``, or for a
+    resumed job without one there, the continued run's."""
+    from fedmm.results import SUMMARY_FILE, run_status
+
+    if not (job_dir / SUMMARY_FILE).is_file():
+        import yaml
+
+        saved = yaml.safe_load((job_dir / ".hydra" / "config.yaml").read_text(encoding="utf-8")) or {}
+        if saved.get("resume"):
+            return run_status(Path(str(saved["resume"])).expanduser())
+    status, reason = run_status(job_dir)
+    if status == "missing":
+        reason = f"no summary.json in {job_dir}: the job ended without finishing its run (killed, out of memory?); see its log"
+    return status, reason
+
+
+def fail_job(job_dir: Path, stage: str, err: BaseException, started: float) -> None:
+    """Mark the job in ``job_dir`` failed: ``summary.json`` with status ``failed``, the ``stage``
+    (config, data, run) and the reason, unless the run itself recorded its failure there during
+    this job (the runner's summary says more: rounds completed, accuracy)."""
+    from fedmm.results import SUMMARY_FILE, json_safe, run_status
+
+    summary = job_dir / SUMMARY_FILE
+    reason = failure_reason(err)
+    if summary.is_file() and summary.stat().st_mtime >= started and run_status(job_dir)[0] != "completed":
+        return
+    job_dir.mkdir(parents=True, exist_ok=True)
+    record = {"status": "failed", "stage": stage, "reason": reason, "rounds_completed": 0}
+    tmp = summary.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(json_safe(record), indent=2) + "\n", encoding="utf-8")
+    tmp.replace(summary)
+
+
+def failure_reason(err: BaseException) -> str:
+    """One line for a failed job: our errors say it themselves, anything else with its type."""
+    return str(err) if isinstance(err, (ConfigError, JobFailed)) else f"{type(err).__name__}: {err}"
+
+
+def check_launcher(run: Any) -> None:
+    """Under hydra's Ray launcher each job is a Ray task on the cluster: it runs on the
+    in-process engine there (a Ray task cannot start or attach a Ray of its own)."""
+    from omegaconf import OmegaConf
+
+    target = str(OmegaConf.select(HydraConfig.get(), "launcher._target_", default="") or "")
+    if "hydra_ray_launcher" in target and run.simulation.engine != "local":
+        raise ConfigError("simulation.engine", run.simulation.engine,
+                          "local under hydra/launcher=fedmm_ray (each job is already a Ray task on the cluster, which "
+                          "runs its ClientApps in its own process); to spread one job's ClientApps over the cluster, "
+                          "run fedmm with the basic launcher and simulation.engine=ray simulation.ray_address=<head>")
 
 
 _JOB_FILE_HANDLERS: list[logging.Handler] = []
@@ -285,22 +451,40 @@ def preflight(cfg: Any) -> None:
 
 
 def job_config(cfg: DictConfig) -> dict[str, Any]:
-    """The validated config of this hydra job (a fresh run, or the run given by ``resume``)."""
+    """The validated config of this hydra job (a fresh run, or the run given by ``resume``).
+
+    A job of ``fedmm -m`` records its sweep's folder as ``tracking.sweep`` (unless the command
+    line sets it): MLflow nests a sweep's runs under one parent run, W&B groups them."""
+    hydra_cfg = HydraConfig.get()
+    for override in hydra_cfg.overrides.task:
+        key, _, value = override.lstrip("+~").partition("=")
+        if key in ("output_dir", "results_root"):  # `flwr run` keys: fedmm writes to hydra's job folder
+            raise ConfigError(key, value, "unset under fedmm, which writes each job's results into its hydra job "
+                              "folder: choose that with hydra.run.dir=<dir> (hydra.sweep.dir=<dir> for -m)")
+    sweep = os.path.abspath(str(hydra_cfg.sweep.dir)) if hydra_cfg.mode == RunMode.MULTIRUN and hydra_cfg.sweep.dir else None
     if cfg.get("resume"):
-        explicit = [o for o in HydraConfig.get().overrides.task if not o.lstrip("+").startswith("resume=")]
+        explicit = [o for o in hydra_cfg.overrides.task if not o.lstrip("+").startswith("resume=")]
+        if sweep is not None and not any(o.lstrip("+").startswith("tracking.sweep=") for o in explicit):
+            explicit.append(f"tracking.sweep={sweep}")
         return config_mod.resume_config(cfg["resume"], explicit)
     resolved = config_mod.to_container(cfg)
-    resolved["output_dir"] = HydraConfig.get().runtime.output_dir
+    resolved["output_dir"] = hydra_cfg.runtime.output_dir
+    tracking = resolved.get("tracking")
+    if sweep is not None and isinstance(tracking, dict) and tracking.get("sweep") is None:
+        tracking["sweep"] = sweep
     return config_mod.validate(resolved)
 
 
 @hydra.main(config_path=str(config_mod.CONF_DIR), config_name="config", version_base=None)
-def _hydra_main(cfg: DictConfig) -> None:
+def _hydra_main(cfg: DictConfig) -> float | None:
+    started, job_dir, stage = time.time(), Path(HydraConfig.get().runtime.output_dir), "config"
     try:
         resolved = job_config(cfg)
+        check_launcher(resolved)
+        stage = "data"
         preflight(resolved)
-    except ConfigError as err:
-        raise SystemExit(str(err)) from None
+    except Exception as err:  # noqa: BLE001 - whatever stops the job before its run marks it failed
+        return _job_failed(job_dir, stage, err, started)
     # Flower logs to its own console handler; stop hydra's root handler from printing it twice,
     # but send its lines (the round-by-round progress) to this job's hydra log file too.
     logging.getLogger("flwr").propagate = False
@@ -308,18 +492,32 @@ def _hydra_main(cfg: DictConfig) -> None:
     print(f"fedmm: results -> {resolved.output_dir}", flush=True)
     try:
         run_dir = run_job(resolved)
-    except JobFailed as err:
-        FAILED_JOBS.append((str(resolved.output_dir), str(err)))
-        print(f"fedmm: FAILED {resolved.output_dir}: {err}", flush=True)
-        if HydraConfig.get().mode != RunMode.MULTIRUN:
-            raise SystemExit(1) from None
-        return  # a sweep goes on with its next job and fails at the end
+    except Exception as err:  # noqa: BLE001 - JobFailed, or whatever else the run raised
+        return _job_failed(job_dir, "run", err, started)
     print(f"fedmm: results written to {run_dir}", flush=True)
+    from launch.objective import task_value
+
+    return task_value(resolved, run_dir)  # the validation figure: what a hydra sweeper (Optuna) maximises
+
+
+def _job_failed(job_dir: Path, stage: str, err: BaseException, started: float) -> None:
+    """A job failed at ``stage``: mark it in its folder (:func:`fail_job`); a single run exits
+    non-zero here, a sweep goes on with its other jobs (and ``main`` exits non-zero at the end).
+    The job returns None: a failed trial for hydra's Optuna sweeper (launch/objective.py)."""
+    fail_job(job_dir, stage, err, started)
+    if HydraConfig.get().mode != RunMode.MULTIRUN:
+        if isinstance(err, ConfigError):
+            raise SystemExit(str(err)) from None
+        print(f"fedmm: FAILED {job_dir}: {failure_reason(err)}", flush=True)
+        raise SystemExit(1) from None
+    print(f"fedmm: FAILED {job_dir}: {failure_reason(err)}", flush=True)
+    return None
 
 
 def main() -> None:
-    """Console-script entry point: exits non-zero when any job of the run or sweep failed,
-    130 when it was stopped by SIGINT / SIGTERM."""
+    """Console-script entry point: exits non-zero when any job of the run or sweep failed
+    (whichever launcher ran the jobs: :class:`SweepOutcome`), 130 when it was stopped by
+    SIGINT / SIGTERM."""
     from fedmm.interrupt import install_signal_handlers
 
     install_signal_handlers()

@@ -2,7 +2,10 @@
 
 See :mod:`fedmm.results` for the files of a run directory. Every write either completes or
 leaves the previous content: a metrics line is appended with one ``write`` of the whole line
-and flushed to disk; JSON files are written to a temporary file and renamed.
+and flushed to disk; JSON files are written to a temporary file and renamed. ``metrics.jsonl``
+is always written; ``metrics.csv`` and the TensorBoard events are trackers of the run folder
+(:class:`CsvTracker`, :class:`TensorBoardTracker`), driven by :class:`RunRecorder` with the
+others that ``tracking.loggers`` names (:mod:`server_app.tracking`: MLflow, W&B).
 """
 
 from __future__ import annotations
@@ -12,14 +15,17 @@ import datetime as dt
 import json
 import os
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from logging import WARNING
 from pathlib import Path
 from typing import IO, Any
 
 import yaml
+from flwr.supercore import log
 
 from fedmm.errors import ConfigError
 from fedmm.results import CONFIG_FILE, METRICS_FILE, json_safe
+from server_app.tracking import BACKENDS, FINAL_FILES, RunInfo, Tracker, round_scalars
 
 
 def run_dir_name(cfg: Any, simulation: bool = True) -> str:
@@ -129,29 +135,103 @@ class RunLock:
             self._fd = -1
 
 
+class TensorBoardTracker(Tracker):
+    """``<run dir>/tensorboard``: the rows' numbers (``global/<key>``, ``federated/<key>``); view
+    with ``tensorboard --logdir <run dir>``."""
+
+    name = "tensorboard"
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self._writer: Any = None
+
+    def log_round(self, row: Mapping[str, Any]) -> None:
+        if self._writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+        step = int(row["round"])
+        for key, value in round_scalars(row).items():
+            self._writer.add_scalar(key.replace("_", "/", 1) if key.startswith("federated_") else f"global/{key}", value, step)
+        self._writer.flush()
+
+    def end(self, status: str, reason: str, files: Sequence[Path]) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+class CsvTracker(Tracker):
+    """``<run dir>/metrics.csv``: the rows of ``metrics.jsonl`` as a table (every column any row
+    has), rewritten after each round."""
+
+    name = "csv"
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.rows: list[dict[str, Any]] = []
+
+    def restore(self, rows: Sequence[Mapping[str, Any]]) -> None:
+        self.rows = [dict(row) for row in rows]
+
+    def log_round(self, row: Mapping[str, Any]) -> None:
+        import csv
+        import io
+
+        self.rows.append(dict(row))
+        columns: list[str] = []
+        for r in self.rows:
+            columns += [k for k in r if k not in columns]
+        out = io.StringIO()
+        writer = csv.DictWriter(out, fieldnames=columns, lineterminator="\n")
+        writer.writeheader()
+        for r in self.rows:
+            writer.writerow({k: ("" if v is None else v) for k, v in json_safe(r).items()})
+        write_atomic(self.run_dir / "metrics.csv", out.getvalue())
+
+
+def build_trackers(tracking: Any, run_dir: Path) -> list[Tracker]:
+    """The trackers ``tracking.loggers`` names (:class:`fedmm.config.TrackingSettings`), in its order."""
+    own = {TensorBoardTracker.name: TensorBoardTracker, CsvTracker.name: CsvTracker}
+    return [own[name](run_dir) if name in own else BACKENDS[name](getattr(tracking, name)) for name in tracking.loggers]
+
+
 class RunRecorder:
-    """Writes the files of one run as it goes.
+    """Writes the files of one run as it goes, and drives its trackers (:mod:`server_app.tracking`).
 
     ``history`` holds the metrics rows so far; ``federated`` the federated-evaluation metrics
     by round. Both are part of a checkpoint, and :meth:`restore` puts them back on resume.
+    ``trackers``: what follows the run besides ``metrics.jsonl`` (default: TensorBoard and CSV).
+    A tracker that fails after :meth:`start` is dropped with one warning; the run goes on.
     """
 
-    def __init__(self, path: Path, cfg: Mapping[str, Any]) -> None:
+    def __init__(self, path: Path, cfg: Mapping[str, Any], trackers: Sequence[Tracker] | None = None) -> None:
         self.path = path
         self.history: list[dict[str, Any]] = []
         self.federated: dict[int, dict[str, float]] = {}
+        self.trackers: list[Tracker] = list(trackers) if trackers is not None else [TensorBoardTracker(path), CsvTracker(path)]
         write_atomic(path / CONFIG_FILE, yaml.safe_dump(cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg), sort_keys=False))
+
+    def start(self, info: RunInfo) -> None:
+        """Start every tracker; an error (a store that does not open) fails the run before its first round."""
+        for index, tracker in enumerate(self.trackers):
+            try:
+                tracker.start(info)
+            except BaseException:
+                del self.trackers[index:]  # not started: nothing to end
+                raise
 
     def restore(self, history: list[dict[str, Any]], federated: Mapping[int, Mapping[str, float]]) -> None:
         """Continue from a checkpoint: ``metrics.jsonl`` is rewritten to exactly its rows (a
-        row written after the checkpoint, by the run that was stopped, is dropped)."""
+        row written after the checkpoint, by the run that was stopped, is dropped); the trackers get them."""
         self.history = [dict(row) for row in history]
         self.federated = {int(r): dict(m) for r, m in federated.items()}
         write_atomic(self.path / METRICS_FILE, "".join(json.dumps(json_safe(row)) + "\n" for row in self.history))
+        self._each("restore", self.history)
 
     def log_metrics(self, row: Mapping[str, Any]) -> None:
         """Append one evaluated round to ``metrics.jsonl`` (one write of the whole line, synced),
-        rewrite ``metrics.csv`` and add the round's scalars to the TensorBoard event file."""
+        then hand it to the trackers (``metrics.csv``, TensorBoard, ...)."""
         self.history.append(dict(row))
         line = (json.dumps(json_safe(dict(row))) + "\n").encode("utf-8")
         fd = os.open(self.path / METRICS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -160,41 +240,25 @@ class RunRecorder:
             os.fsync(fd)
         finally:
             os.close(fd)
-        self.write_csv()
-        self._tensorboard(row)
+        self._each("log_round", dict(row))
 
-    def write_csv(self) -> None:
-        """``metrics.csv``: the rows of ``metrics.jsonl`` as a table (every column any row has)."""
-        import csv
-        import io
+    def close(self, status: str = "completed", reason: str = "") -> None:
+        """End the trackers with the run's status (``summary.json``'s) and its final files: call
+        it after ``summary.json`` and the plot are written."""
+        files = [self.path / name for name in FINAL_FILES if (self.path / name).is_file()]
+        self._each("end", status, reason, files)
+        self.trackers = []
 
-        columns: list[str] = []
-        for row in self.history:
-            columns += [k for k in row if k not in columns]
-        out = io.StringIO()
-        writer = csv.DictWriter(out, fieldnames=columns, lineterminator="\n")
-        writer.writeheader()
-        for row in self.history:
-            writer.writerow({k: ("" if v is None else v) for k, v in json_safe(row).items()})
-        write_atomic(self.path / "metrics.csv", out.getvalue())
-
-    def _tensorboard(self, row: Mapping[str, Any]) -> None:
-        # TensorBoard event files in <run dir>/tensorboard (``tensorboard --logdir <run dir>``)
-        if getattr(self, "_writer", None) is None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._writer = SummaryWriter(log_dir=str(self.path / "tensorboard"))
-        step = int(row["round"])
-        for key, value in row.items():
-            if key != "round" and isinstance(value, (int, float)) and value == value:
-                self._writer.add_scalar(key.replace("_", "/", 1) if key.startswith("federated_") else f"global/{key}", value, step)
-        self._writer.flush()
-
-    def close(self) -> None:
-        """Close the TensorBoard writer."""
-        if getattr(self, "_writer", None) is not None:
-            self._writer.close()
-            self._writer = None
+    def _each(self, call: str, *args: Any) -> None:
+        """``call`` on every tracker; one that raises is dropped with a warning (the run goes on:
+        ``metrics.jsonl`` is the record)."""
+        for tracker in list(self.trackers):
+            try:
+                getattr(tracker, call)(*args)
+            except Exception as err:  # noqa: BLE001 - a tracker never ends the run
+                self.trackers.remove(tracker)
+                log(WARNING, "fedmm: the %s tracker failed (%s: %s); the run goes on without it (metrics.jsonl holds "
+                    "every round)", tracker.name, type(err).__name__, err)
 
     def write_json(self, name: str, data: Any) -> None:
         """Write ``data`` as ``name`` (JSON, non-finite numbers as null), atomically."""

@@ -31,7 +31,8 @@ from fedmm.evaluation import resolve_device
 from fedmm.interrupt import raise_if_stopped
 from fedmm.models import model_for
 from server_app.checkpoint import load_checkpoint, restore_rng_states, rng_states, save_checkpoint
-from server_app.recording import RunLock, RunRecorder, atomic_file, create_run_dir
+from server_app.recording import RunLock, RunRecorder, atomic_file, build_trackers, create_run_dir
+from server_app.tracking import run_info
 from strategies import build_strategy
 from strategies.messaging import exchange
 from strategies.multimodel import MultiModelStrategy
@@ -197,7 +198,7 @@ def run_experiment(grid: Grid, settings: RunSettings | Mapping[str, Any], simula
 def run_locked(grid: Grid, cfg: RunSettings, run_dir: Path, checkpoint: dict[str, Any] | None, simulation: bool) -> Path:
     """The run in ``run_dir``, its lock held: set-up, the rounds, the final files (where the
     ServerApp's own work starts: what a timer of the run wraps)."""
-    recorder = RunRecorder(run_dir, cfg)
+    recorder = RunRecorder(run_dir, cfg, build_trackers(cfg.tracking, run_dir))
     counting = CountingGrid(grid)
     num_rounds = cfg.num_rounds
     t0 = time.perf_counter()
@@ -206,6 +207,7 @@ def run_locked(grid: Grid, cfg: RunSettings, run_dir: Path, checkpoint: dict[str
     last: dict[str, Any] = {"round": 0, "saved": 0, "state": None}
     status: dict[str, Any] = {"status": "failed", "reason": "the run stopped before its first round"}
     try:
+        recorder.start(run_info(cfg, run_dir, simulation, resumed_at=None if checkpoint is None else int(checkpoint["round"]) + 1))
         seed_everything(cfg.seed)
 
         d = cfg.dataset
@@ -354,23 +356,25 @@ def run_locked(grid: Grid, cfg: RunSettings, run_dir: Path, checkpoint: dict[str
             save_checkpoint(run_dir, last["state"])  # an interrupted or failed run can be resumed
         if status["status"] != "completed":
             log(ERROR, "fedmm run %s: %s", status["status"], status.get("reason", ""))
-        recorder.close()
         # The summary before the plot: a stopped deployment's ServerApp has Flower's 5 s (its
         # FORCE_EXIT_TIMEOUT_SECONDS) from the stop to write its files before it is killed.
-        recorder.write_json(
-            "summary.json",
-            {
-                **status,
-                "rounds_completed": last["round"],
-                "num_rounds": num_rounds,
-                "final_accuracy": recorder.history[-1]["accuracy"] if recorder.history else None,
-                "best_accuracy": max((r["accuracy"] for r in recorder.history), default=None),
-                "seconds": round(time.perf_counter() - t0, 3),
-                "bytes_sent": counting.bytes_sent,
-                "bytes_received": counting.bytes_received,
-            },
-        )
-        if recorder.history:
-            recorder.plot_learning_curve(plot_title(cfg, simulation))
+        try:
+            recorder.write_json(
+                "summary.json",
+                {
+                    **status,
+                    "rounds_completed": last["round"],
+                    "num_rounds": num_rounds,
+                    "final_accuracy": recorder.history[-1]["accuracy"] if recorder.history else None,
+                    "best_accuracy": max((r["accuracy"] for r in recorder.history), default=None),
+                    "seconds": round(time.perf_counter() - t0, 3),
+                    "bytes_sent": counting.bytes_sent,
+                    "bytes_received": counting.bytes_received,
+                },
+            )
+            if recorder.history:
+                recorder.plot_learning_curve(plot_title(cfg, simulation))
+        finally:  # the trackers last: they keep summary.json and the plot
+            recorder.close(status["status"], status.get("reason", ""))
     log(INFO, "fedmm results written to: %s", run_dir)
     return run_dir

@@ -108,7 +108,7 @@ def test_a_method_in_an_installed_package_is_found_and_runs(tmp_path: Path) -> N
     assert seen["objective"] == {"name": "logit_penalty", "training": {}, "weight": 0.01}
     job = subprocess.run(
         [sys.executable, "-m", "launch", "strategy=halfway", "num_rounds=2", "num_clients=3", "clients_per_round=2", "model=lenet",
-         "training.local_epochs=1", "checkpoint_every=0", f"output_dir={out}", f"hydra.run.dir={out}"],
+         "training.local_epochs=1", "checkpoint_every=0", f"hydra.run.dir={out}"],
         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())

@@ -1,16 +1,21 @@
-"""fedmm on a running Ray cluster (``simulation.ray_address``), on loopback: the test starts its
-own Ray head (``ray start --head --block`` on free ports, in a private temp dir), runs two jobs
-of one process against it as a ``fedmm -m`` sweep does, checks in the head's GCS that the
-ClientApps ran there, and stops the head, checking that every process it started is gone.
+"""fedmm on a running Ray cluster, on loopback: the module starts one Ray head of its own
+(``ray start --head --block`` on free ports, in a private temp dir). On it, a ``fedmm -m`` sweep
+on hydra's Ray launcher runs each job as a Ray task (a failed job marked, the other completed);
+then two jobs of one process attach to it (``simulation.ray_address``) as a ``fedmm -m`` sweep on
+the basic launcher does, the head's GCS shows that the ClientApps ran there, and the head is
+stopped, checking that every process it started is gone.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -79,9 +84,27 @@ def wait_for_port(port: int, head: subprocess.Popen, timeout: float) -> None:
     raise AssertionError(f"no Ray head on port {port} after {timeout}s")
 
 
-@pytest.fixture
-def ray_head(ray_env, tmp_path: Path):
-    """A one-node Ray cluster (2 CPUs) that this test owns: yields (address, Popen, log path)."""
+@pytest.fixture(scope="module")
+def cluster_env():
+    """conftest's ``ray_env`` for the module's one head: a private Ray temp dir, and a sweep of
+    every process that used it when the module ends."""
+    from tests.conftest import pids_mentioning
+
+    tmp = tempfile.mkdtemp(prefix="fr", dir="/tmp")
+    yield dict(os.environ, RAY_TMPDIR=tmp, FLWR_TELEMETRY_ENABLED="0")
+    for pid in pids_mentioning(tmp):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def ray_head(cluster_env, tmp_path_factory):
+    """A one-node Ray cluster (2 CPUs) that this module owns: yields (address, Popen, log path).
+    The last test that uses it stops it (and checks that it ended everything it started)."""
+    ray_env, tmp_path = cluster_env, tmp_path_factory.mktemp("ray-head")
     tmp = ray_env["RAY_TMPDIR"]
     gcs, client, agent_http, agent_grpc, env_agent, metrics, node_manager, object_manager, dashboard = free_ports(9)
     env = dict(ray_env, RAY_USAGE_STATS_ENABLED="0")
@@ -140,14 +163,46 @@ def cluster_record(address: str, driver_pid: int, timeout: float = 15) -> tuple[
         ray.shutdown()
 
 
-def test_two_jobs_attach_to_a_running_cluster_and_leave_it_running(ray_env, ray_head, tmp_path: Path, monkeypatch) -> None:
+def test_a_sweep_on_hydras_ray_launcher_runs_each_job_as_a_task_on_the_cluster(cluster_env, ray_head, tmp_path: Path) -> None:
+    """``fedmm -m hydra/launcher=fedmm_ray hydra.launcher.ray.init.address=<head>``: the fedmm
+    process is a driver of the cluster, each job a Ray task there (in a fresh worker process, on
+    the in-process engine); job 1 (1 client, 2 a round) fails: it is marked failed in its own
+    folder, job 0 completes, and fedmm exits 1 naming job 1."""
+    address, head, _ = ray_head
+    head_session = (Path(cluster_env["RAY_TMPDIR"]) / "session_latest").resolve()
+    sweep = tmp_path / "sweep"
+    cmd = [str(BIN / "fedmm"), "-m", "hydra/launcher=fedmm_ray", f"hydra.launcher.ray.init.address={address}",
+           "hydra.launcher.ray.remote.num_cpus=1",  # the in-process engine's 4 cores fit no node of this 2-core head
+           "num_clients=2,1", "clients_per_round=2", "num_rounds=1", "model=lenet", "training.local_epochs=1",
+           "training.local_steps=2", f"hydra.sweep.dir={sweep}"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                            env=dict(cluster_env, OMP_NUM_THREADS="1"))
+    proc.stdout, proc.stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (job0,), (job1,) = sweep.glob("0_*"), sweep.glob("1_*")
+    assert json.loads((job0 / "summary.json").read_text())["status"] == "completed"
+    assert [r["round"] for r in read_metrics(job0)] == [0, 1] and (job0 / "final_model.pt").is_file()
+    failed = json.loads((job1 / "summary.json").read_text())
+    assert failed["status"] == "failed" and failed["stage"] == "config" and "clients_per_round=2 is invalid" in failed["reason"]
+    assert f"fedmm: 1 job(s) failed:\n  {job1}: config error: clients_per_round=2" in proc.stdout, proc.stdout[-2000:]
+    # the jobs ran in the cluster's workers (their stdout is in the worker logs of the head's
+    # session: a Ray of the launcher's own would have a session of its own), each in a worker
+    # process of its own (max_calls=1)
+    assert (Path(cluster_env["RAY_TMPDIR"]) / "session_latest").resolve() == head_session
+    logs = {p: p.read_text(errors="replace") for p in head_session.glob("logs/worker-*.out")}
+    ran = {p.name.split("-")[-1] for p, text in logs.items() if f"fedmm: results -> {job0}" in text or f"FAILED {job1}" in text}
+    assert len(ran) == 2, {p.name: t[-300:] for p, t in logs.items()}  # two worker pids
+    assert head.poll() is None  # the cluster outlives the sweep
+
+
+def test_two_jobs_attach_to_a_running_cluster_and_leave_it_running(cluster_env, ray_head, tmp_path: Path, monkeypatch) -> None:
     import ray
 
     from launch.cli import run_job
 
     address, head, _ = ray_head
     monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
-    monkeypatch.setenv("RAY_TMPDIR", ray_env["RAY_TMPDIR"])
+    monkeypatch.setenv("RAY_TMPDIR", cluster_env["RAY_TMPDIR"])
     assert not ray.is_initialized()
     gcs_and_raylet = {p for p in descendants(head.pid)
                       if Path(f"/proc/{p}/comm").read_text().strip() in ("gcs_server", "raylet")}
