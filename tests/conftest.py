@@ -14,6 +14,7 @@ if "PYTEST_XDIST_WORKER" in os.environ:
 
 
 import copy  # noqa: E402
+import contextlib  # noqa: E402
 import functools  # noqa: E402
 import shutil  # noqa: E402
 import signal  # noqa: E402
@@ -47,19 +48,27 @@ def pids_mentioning(text: str) -> list[int]:
     return pids
 
 
+@contextlib.contextmanager
+def private_ray_env():
+    """The environment of a private Ray temp dir (short: Ray's socket paths must fit 107 bytes);
+    on exit, every process that used it is killed and the dir removed."""
+    tmp = tempfile.mkdtemp(prefix="fr", dir="/tmp")
+    try:
+        yield dict(os.environ, RAY_TMPDIR=tmp, FLWR_TELEMETRY_ENABLED="0")
+    finally:
+        for pid in pids_mentioning(tmp):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 @pytest.fixture
 def ray_env():
-    """A private Ray temp dir (short: Ray's socket paths must fit 107 bytes), and a sweep of
-    every process that used it when the test ends."""
-    tmp = tempfile.mkdtemp(prefix="fr", dir="/tmp")
-    env = dict(os.environ, RAY_TMPDIR=tmp, FLWR_TELEMETRY_ENABLED="0")
-    yield env
-    for pid in pids_mentioning(tmp):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    shutil.rmtree(tmp, ignore_errors=True)
+    """A private Ray temp dir for one test (:func:`private_ray_env`)."""
+    with private_ray_env() as env:
+        yield env
 
 
 @functools.lru_cache(maxsize=None)

@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -88,16 +86,10 @@ def wait_for_port(port: int, head: subprocess.Popen, timeout: float) -> None:
 def cluster_env():
     """conftest's ``ray_env`` for the module's one head: a private Ray temp dir, and a sweep of
     every process that used it when the module ends."""
-    from tests.conftest import pids_mentioning
+    from tests.conftest import private_ray_env
 
-    tmp = tempfile.mkdtemp(prefix="fr", dir="/tmp")
-    yield dict(os.environ, RAY_TMPDIR=tmp, FLWR_TELEMETRY_ENABLED="0")
-    for pid in pids_mentioning(tmp):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    shutil.rmtree(tmp, ignore_errors=True)
+    with private_ray_env() as env:
+        yield env
 
 
 @pytest.fixture(scope="module")
