@@ -396,11 +396,11 @@ def fail_job(job_dir: Path, stage: str, err: BaseException, started: float) -> N
     reason = failure_reason(err)
     if summary.is_file() and summary.stat().st_mtime >= started and run_status(job_dir)[0] != "completed":
         return
+    from server_app.recording import write_atomic
+
     job_dir.mkdir(parents=True, exist_ok=True)
     record = {"status": "failed", "stage": stage, "reason": reason, "rounds_completed": 0}
-    tmp = summary.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(json_safe(record), indent=2) + "\n", encoding="utf-8")
-    tmp.replace(summary)
+    write_atomic(summary, json.dumps(json_safe(record), indent=2) + "\n")
 
 
 def failure_reason(err: BaseException) -> str:

@@ -223,6 +223,8 @@ def task_value(run: Any, run_dir: Path | str, search: bool | None = None) -> flo
         "rounds": rounds,
         "held_out_rows_sha256": held_out_fingerprint(run),
     }
-    Path(run_dir, VALIDATION_FILE).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    from server_app.recording import write_atomic
+
+    write_atomic(Path(run_dir, VALIDATION_FILE), json.dumps(record, indent=2) + "\n")
     print(f"fedmm: validation accuracy {value:.4f} (clients' held-out rows, rounds {rounds[0]}-{rounds[-1]})", flush=True)
     return value
