@@ -22,6 +22,7 @@ import logging
 import math
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -173,10 +174,10 @@ def run_job(settings: Any) -> Path:
     server_app = ServerApp()
     prepared = None
     if cfg.simulation.engine == "ray":
-        import threading
-
         prepared = threading.Thread(target=prepare_server_data, args=(cfg,), name="fedmm-prepare", daemon=True)
         prepared.start()  # beside Ray's start; the ServerApp waits for it (no work done twice)
+
+    server_done = threading.Event()  # the ServerApp returned or raised (its files are written)
 
     @server_app.main()
     def _main(grid: Grid, context: Context) -> None:
@@ -187,6 +188,8 @@ def run_job(settings: Any) -> Path:
         except BaseException as err:  # Flower logs it and returns: keep it to fail the job
             out["error"] = err
             raise
+        finally:
+            server_done.set()
 
     if cfg.simulation.engine == "local":
         from fedmm.local_engine import run_local_simulation
@@ -197,10 +200,10 @@ def run_job(settings: Any) -> Path:
         except Exception as err:  # noqa: BLE001 - the ServerApp's error, kept in out["error"]
             out.setdefault("error", err)
     else:
-        _run_on_ray(cfg, server_app, client_app, out)
+        _run_on_ray(cfg, server_app, client_app, out, server_done)
     if "error" in out:
         err = out["error"]
-        if isinstance(err, KeyboardInterrupt):
+        if isinstance(err, (KeyboardInterrupt, JobFailed)):
             raise err
         raise JobFailed(f"{type(err).__name__}: {err}") from err
     if "dir" not in out:
@@ -208,10 +211,16 @@ def run_job(settings: Any) -> Path:
     return out["dir"]
 
 
-def _run_on_ray(cfg: Any, server_app: Any, client_app: Any, out: dict[str, Any]) -> None:
+#: Seconds the job waits, after the simulation runtime stopped, for the ServerApp (stopped by
+#: :func:`fedmm.interrupt.abort` at its next message or wait) to write its summary and checkpoint.
+SERVER_STOP_WAIT_S = 60.0
+
+
+def _run_on_ray(cfg: Any, server_app: Any, client_app: Any, out: dict[str, Any], server_done: threading.Event) -> None:
     """Run ``server_app`` and ``client_app`` on Flower's simulation engine (Ray backend): a local
     Ray of this job's, or the Ray cluster ``simulation.ray_address`` names. The ServerApp's
-    outcome goes into ``out`` (``dir`` or ``error``)."""
+    outcome goes into ``out`` (``dir`` or ``error``); when the runtime itself stops, ``error`` is
+    a :class:`JobFailed` naming the runtime's own error, once the ServerApp has stopped."""
     import warnings
 
     from flwr.simulation import run_simulation
@@ -234,13 +243,30 @@ def _run_on_ray(cfg: Any, server_app: Any, client_app: Any, out: dict[str, Any])
             out.setdefault("error", err)
             if out["error"] is err:
                 # the runtime itself stopped (e.g. Ray could place no ClientApp): the ServerApp
-                # thread would wait for replies that cannot come; stop it now, as failed
-                abort(f"the simulation runtime stopped: {type(err).__name__}: {err}")
+                # thread would wait for replies that cannot come; stop it now, as failed, and let
+                # it finish its files before the job reports (Flower does not join its thread)
+                reason = f"the simulation runtime stopped: {root_cause(err)}"
+                abort(reason)
+                server_done.wait(SERVER_STOP_WAIT_S)
+                out["error"] = JobFailed(reason)
+                out["error"].__cause__ = err
         finally:
             if "dir" not in out and "error" not in out:
                 abort("the simulation runtime stopped before the experiment finished")
             if attached or started:
                 _disconnect_ray()  # Flower's backend shuts Ray down; this covers a runtime that failed first
+
+
+def root_cause(err: BaseException) -> str:
+    """``Type: message`` of the innermost error ``err`` was raised from (Flower wraps the
+    runtime's error twice: "An error was encountered. Ending simulation." and "Simulation Runtime
+    crashed."), with the outer messages after it when the innermost says nothing."""
+    chain = [err]
+    while chain[-1].__cause__ is not None and chain[-1].__cause__ not in chain:
+        chain.append(chain[-1].__cause__)
+    inner = chain[-1]
+    text = f"{type(inner).__name__}: {inner}" if str(inner) else type(inner).__name__
+    return text if len(chain) == 1 else f"{text} ({'; '.join(str(e) for e in reversed(chain[:-1]))})"
 
 
 def _disconnect_ray() -> None:
