@@ -419,11 +419,11 @@ def register_defaults() -> None:
     from hydra.core.config_store import ConfigStore
 
     store = ConfigStore.instance()
-    store.store(group=DEFAULTS_GROUP, name=RunSettings.__name__, node=RunSettings.hydra_node())
+    _store_once(store, DEFAULTS_GROUP, RunSettings.__name__, RunSettings.hydra_node())
     for group in GROUPS:
         for option, cls in options(group).items():
             node = cls.hydra_node()
-            store.store(group=DEFAULTS_GROUP, name=cls.__name__, node=node)
+            _store_once(store, DEFAULTS_GROUP, cls.__name__, node)
             if (CONF_DIR / group / f"{option}.yaml").is_file():
                 continue
             if cls.options_for:  # one declaration of several options: the option is its name
@@ -431,7 +431,23 @@ def register_defaults() -> None:
             companions = getattr(cls, "companions", {})
             if companions:
                 node = {"defaults": [{f"override /{g}@_global_.{g}": o} for g, o in companions.items()] + ["_self_"], **node}
-            store.store(group=group, name=option, node=node)
+            _store_once(store, group, option, node)
+
+
+#: (group, name) -> (the node, hydra's entry) of each node :func:`register_defaults` stored.
+_STORED: dict[tuple[str, str], tuple[dict[str, Any], Any]] = {}
+
+
+def _store_once(store: Any, group: str, name: str, node: dict[str, Any]) -> None:
+    """``store.store`` unless the ConfigStore still holds this very node there: hydra converts
+    every node it is given to an OmegaConf config (a third of a second for all of them, on every
+    compose before this)."""
+    entry = store.repo.get(group, {}).get(f"{name}.yaml")
+    kept = _STORED.get((group, name))
+    if kept is not None and kept[1] is entry and kept[0] == node:
+        return
+    store.store(group=group, name=name, node=node)
+    _STORED[(group, name)] = (copy.deepcopy(node), store.repo[group][f"{name}.yaml"])
 
 
 def overrides_from_run_config(run_config: Mapping[str, Any]) -> list[str]:

@@ -24,6 +24,69 @@ from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
 
+#: The files that take longest (``--durations``: each is a minute or more of a worker's time,
+#: most of it Ray, Flower processes or subprocess runs), in that order, ahead of all others.
+#: With ``--dist loadfile`` a file runs on one worker; the long ones first leave the short ones to
+#: fill the gaps at the end, instead of one worker finishing a long file alone.
+SLOW_FILES_FIRST = ("test_deployment.py", "test_simulation.py", "test_same_results.py", "test_engines.py",
+                    "test_interrupt.py", "test_gpu_session.py", "test_ray_cluster.py", "test_vectorized.py",
+                    "test_text.py", "test_launchers.py", "test_async.py")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """xdist schedules the files in collection order (not by their number of tests, its default)."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """:data:`SLOW_FILES_FIRST` first; the other files, and the tests within each file, keep
+    their order."""
+    rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+# One Ray runtime at a time: Ray runtimes of several workers started within the same minute
+# compete for the cores and ports of one machine (a ClientApp actor hung for minutes in such runs
+# with three workers; it also hung once with no other Ray running: docs/performance.md, section
+# 9). A test marked ``ray_runtime`` holds an exclusive lock, shared by the session's workers,
+# while it runs; a module marked so (its Ray started by a module fixture) holds it for the whole
+# module.
+
+
+@contextlib.contextmanager
+def _ray_lock(tmp_path_factory: pytest.TempPathFactory):
+    import fcntl
+
+    root = tmp_path_factory.getbasetemp()
+    root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root  # the session's folder
+    with open(root / "fedmm-ray.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # released when the file closes
+        yield
+
+
+def _module_marked(module: Any) -> bool:
+    marks = getattr(module, "pytestmark", [])
+    return any(m.name == "ray_runtime" for m in (marks if isinstance(marks, list) else [marks]))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_ray_per_module(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    if _module_marked(request.module):
+        with _ray_lock(tmp_path_factory):
+            yield
+    else:
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _one_ray_per_test(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    if request.node.get_closest_marker("ray_runtime") and not _module_marked(request.module):
+        with _ray_lock(tmp_path_factory):
+            yield
+    else:
+        yield
+
 
 @pytest.fixture(autouse=True)
 def flower_task_identity():

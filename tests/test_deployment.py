@@ -7,8 +7,9 @@ What runs (all on 127.0.0.1, offline, with their own FLWR_HOME and temporary fol
 - the keys of three SuperNodes are registered with ``flwr supernode register``; two SuperNodes
   hold half of the embedded mnist5k data each (``datasets.save_to_disk`` folders, given with
   ``--node-config "data-path='...'"``), the third one points to a folder that does not exist;
-- ``flwr run <repo> <connection>``: 2 rounds of FedAvg on all three nodes (the third node's
-  error replies are logged and the run completes), then 2 rounds of FedMR on the two good
+- ``flwr run <repo> <connection>``: 2 rounds of SCAFFOLD on all three nodes (the third node's
+  error replies are logged and the run completes), then 1 round of FedMR with MOON's objective
+  and secure recombination, and 2 aggregations of the asynchronous FedCross, on the two good
   nodes;
 - a SuperNode whose key was never registered is refused and exits.
 
@@ -401,7 +402,8 @@ def test_scaffold_runs_keeps_its_control_variates_and_a_node_with_a_bad_data_pat
     The bad node answers every train message with an error reply naming it and its problem; the
     server logs it and aggregates the other two. Each good node's c_i lives in its SuperNode's
     Context.state: in round 2 both report a c_i trained in round 1 (a restart would have reset
-    the count to 1). MOON's state is checked in the FedMR run below."""
+    the count to 1); every client objective keeps its state there alike (MOON's previous model:
+    tests/test_simulation.py checks it across rounds in simulation)."""
     out = deployment.root / "scaffold"
     # SCAFFOLD's N (c += ΣΔc_i / N) is num_clients: in deployment, the federation's size (3)
     stream, run_id = deployment.run_app("scaffold", RUN_CONFIG.format(k=3, out=out) + " strategy='scaffold'")
@@ -431,23 +433,24 @@ def test_fedmr_runs_on_the_two_good_nodes(deployment: Deployment) -> None:
     ids = deployment.node_ids
     deployment.wait_for_nodes({ids["a"]: "online", ids["b"]: "online", ids["bad"]: "offline"})
     out = deployment.root / "fedmr"
-    # with MOON's objective on the clients (any strategy takes it): its previous model lives in
-    # each SuperNode's Context.state, so round 2 sees the state of round 1 on both nodes; and with
-    # secure recombination (the exchange after training, one repetition: 4 round trips, each ~10 s
-    # of SuperNode polling and ClientApp start here): the layers travel sealed between the two
-    # SuperNodes through the SuperLink, the protocol's state also in Context.state
+    # one round, with MOON's objective on the clients (any strategy takes it; its state lives in
+    # Context.state as SCAFFOLD's does) and secure recombination (the exchange after training, one
+    # repetition: 4 round trips, each ~9 s of SuperNode polling and ClientApp start here): the
+    # layers travel sealed between the two SuperNodes through the SuperLink, the protocol's state
+    # in Context.state from one round trip to the next
     secure = "strategy.secure.enabled=true strategy.secure.mode=after strategy.secure.repetitions=1"
-    config = RUN_CONFIG.format(k=2, out=out).replace("overrides='", f"overrides='objective=moon {secure} ")
+    config = RUN_CONFIG.format(k=2, out=out).replace("num_rounds=2", "num_rounds=1")
+    config = config.replace("overrides='", f"overrides='objective=moon {secure} ")
     stream, run_id = deployment.run_app("fedmr", config + " strategy='fedmr'", timeout=600)
     assert deployment.run_status(run_id) == "finished:completed"
     rows = read_metrics(out)
-    assert [r["round"] for r in rows] == [0, 1, 2]
-    assert [r["replies"] for r in rows[1:]] == [2, 2], stream[-4000:]
-    assert [r["moon_rounds"] for r in rows[1:]] == [1.0, 2.0], rows
-    assert [(r["secure_exchanged"], r["secure_dropped"], r["secure_round_trips"]) for r in rows[1:]] == [(1.0, 0.0, 4.0)] * 2, rows
-    assert all(r["secure_relayed_bytes"] > 0 for r in rows[1:])
-    # the exchange draws from the operating system, so the accuracy is not fixed: it learns, well above chance (0.1)
-    assert rows[-1]["accuracy"] > 0.2 and rows[-1]["loss"] < rows[0]["loss"], rows
+    assert [r["round"] for r in rows] == [0, 1]
+    assert rows[1]["replies"] == 2 and rows[1]["moon_rounds"] == 1.0, stream[-4000:]
+    assert (rows[1]["secure_exchanged"], rows[1]["secure_dropped"], rows[1]["secure_round_trips"]) == (1.0, 0.0, 4.0), rows
+    assert rows[1]["secure_relayed_bytes"] > 0
+    # the exchange draws from the operating system, so the accuracy is not fixed: it learns (seen:
+    # 0.325 after the round), above chance (0.1)
+    assert rows[-1]["accuracy"] > 0.15 and rows[-1]["loss"] < rows[0]["loss"], rows
     with np.load(out / "final_models.npz") as pool:
         assert {name.split("/")[0] for name in pool.files} == {"0", "1"}  # K = 2 models kept
 

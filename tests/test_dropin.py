@@ -1,5 +1,7 @@
-"""FedMR and FedCross as drop-in strategies of any Flower app: a real simulation (Ray backend)
-against the quickstart-style ClientApp of tests/quickstart_app.py, which has no query handler
+"""FedMR and FedCross as drop-in strategies of any Flower app: a real simulation (the in-process
+engine, a Flower ``Grid`` that calls the ClientApp through Flower's own path; the Ray engine
+gives the same numbers, tests/test_engines.py) against the quickstart-style ClientApp of
+tests/quickstart_app.py, which has no query handler
 and knows nothing of this project; the log reads like Flower's FedAvg's, and the Result holds
 what Flower's holds plus the K models (and their own evaluation when asked for)."""
 
@@ -12,9 +14,9 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid, ServerApp
-from flwr.simulation import run_simulation
 
 from fedmm import protocol
+from fedmm.local_engine import run_local_simulation
 from strategies import FedCross, FedMR
 from strategies.base import MultiModelResult
 from tests.fakes import FakeGrid
@@ -87,12 +89,7 @@ def quickstart_runs() -> dict:
                 logging.getLogger("flwr").removeHandler(capture)
             out[name] = (strategy, spy.sent, result, capture.records)
 
-    run_simulation(
-        server_app=server,
-        client_app=quickstart_client_app,
-        num_supernodes=NODES,
-        backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"logging_level": "ERROR"}},
-    )
+    run_local_simulation(server_app=server, client_app=quickstart_client_app, num_supernodes=NODES)
     return out
 
 

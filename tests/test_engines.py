@@ -28,6 +28,8 @@ import torch
 
 from fedmm.results import read_metrics
 
+pytestmark = pytest.mark.ray_runtime  # a Ray simulation (tests/conftest.py: one Ray at a time)
+
 #: name -> overrides of each run (4 nodes, all in every round, 2 rounds of 1 local epoch, the small LeNet).
 RUNS = {
     "fedavg": ["strategy=fedavg"],

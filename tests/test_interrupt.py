@@ -43,12 +43,14 @@ def start_and_reach_round_1(run: Path, env: dict, engine: str, overrides: list[s
 
 
 #: What each engine runs: in process a small job; on Ray FedCross with the default config, which
-#: after the stop resumes on Ray to the recorded results of tests/test_same_results.py.
+#: after the stop resumes (in process) to the recorded results of tests/test_same_results.py. Its
+#: ClientApps reserve 2 CPUs each: one Ray worker on a 2-core machine (one cold start of torch
+#: instead of two; the threads change the sums' order only, within the recorded results' tolerance).
 RUNS = {"local": ["num_rounds=50", "num_clients=4", "clients_per_round=2", "training.local_epochs=1"],
-        "ray": ["strategy=fedcross", "num_rounds=3", "seed=0"]}
+        "ray": ["strategy=fedcross", "num_rounds=3", "seed=0", "simulation.client_cpus=2"]}
 
 
-@pytest.mark.parametrize("engine", ["local", "ray"])
+@pytest.mark.parametrize("engine", ["local", pytest.param("ray", marks=pytest.mark.ray_runtime)])
 def test_sigterm_stops_within_seconds_with_a_checkpoint(tmp_path: Path, ray_env: dict, engine: str) -> None:
     run = tmp_path / "run"
     proc = start_and_reach_round_1(run, ray_env, engine, RUNS[engine])
@@ -68,11 +70,14 @@ def test_sigterm_stops_within_seconds_with_a_checkpoint(tmp_path: Path, ray_env:
     checkpoint = load_checkpoint(run)
     assert checkpoint["round"] == done and [r["round"] for r in checkpoint["metrics"]] == list(range(done + 1))
     assert [r["round"] for r in read_metrics(run)] == list(range(done + 1))
-    if engine == "ray":  # resumed on Ray (the run's own config), the rounds are the recorded ones
+    if engine == "ray":  # resumed on the in-process engine (a checkpoint does not depend on the
+        # engine that wrote it; both give the same numbers, tests/test_engines.py): the recorded rounds
         from tests.test_same_results import assert_resumes_to_the_recorded_results
 
-        assert done < 3
-        assert_resumes_to_the_recorded_results(run, "fedcross", 3, tmp_path / "hydra", env=ray_env)
+        assert done < 3  # one round more than the stop left (the recorded rows go to round 5)
+        assert_resumes_to_the_recorded_results(run, "fedcross", done + 1, tmp_path / "hydra", env=ray_env,
+                                               changes=("simulation.engine=local", "simulation.client_cpus=1",
+                                                        f"num_rounds={done + 1}"))
 
 
 #: ``fedmm`` whose clients train for a long time from round 2 on (torch work, as real training).

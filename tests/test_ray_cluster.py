@@ -82,6 +82,9 @@ def wait_for_port(port: int, head: subprocess.Popen, timeout: float) -> None:
     raise AssertionError(f"no Ray head on port {port} after {timeout}s")
 
 
+pytestmark = pytest.mark.ray_runtime  # the module's Ray head (tests/conftest.py: one Ray at a time)
+
+
 @pytest.fixture(scope="module")
 def cluster_env():
     """conftest's ``ray_env`` for the module's one head: a private Ray temp dir, and a sweep of

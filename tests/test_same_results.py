@@ -12,7 +12,7 @@ on (docs/architecture.md, "Same results").
 
 FedMR and FedCross are checked through the resume path: a real ``fedmm`` FedMR run killed with
 SIGKILL after its round-1 checkpoint, then ``fedmm resume=<dir>`` (here, in process), and a FedCross
-run on Ray stopped with SIGTERM and resumed on Ray (tests/test_interrupt.py); the other presets
+run on Ray stopped with SIGTERM and resumed in process (tests/test_interrupt.py); the other presets
 (FedAvg among them) run straight, one after the other on one in-process simulation. (tests/test_engines.py: both engines give the same
 numbers, exactly.)
 """
@@ -106,7 +106,7 @@ def wait_for_checkpoint(run: Path, round_: int, proc: subprocess.Popen, timeout:
 def test_killed_and_resumed_run_gives_the_recorded_results(tmp_path: Path) -> None:
     """FedMR killed with SIGKILL (a crash: no handler runs, nothing is flushed) after its round-1
     checkpoint, resumed: rounds 0-3 are those of the recorded run. (FedCross is stopped with
-    SIGTERM on Ray and resumed there: tests/test_interrupt.py.)"""
+    SIGTERM on Ray and resumed in process: tests/test_interrupt.py.)"""
     run = tmp_path / "run"
     cmd = [str(BIN / "fedmm"), "strategy=fedmr", "num_rounds=3", "seed=0", "checkpoint_every=1", f"hydra.run.dir={run}"]
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -120,14 +120,15 @@ def test_killed_and_resumed_run_gives_the_recorded_results(tmp_path: Path) -> No
     assert_resumes_to_the_recorded_results(run, "fedmr", 3, tmp_path / "hydra")
 
 
-def assert_resumes_to_the_recorded_results(run: Path, preset: str, rounds: int, hydra_dir: Path, env: dict | None = None) -> None:
-    """``fedmm resume=<run>`` continues from the round after its checkpoint to ``rounds``; the
-    run's metrics are then the recorded run's rounds 0..rounds, each line once."""
+def assert_resumes_to_the_recorded_results(run: Path, preset: str, rounds: int, hydra_dir: Path, env: dict | None = None,
+                                           changes: tuple[str, ...] = ()) -> None:
+    """``fedmm resume=<run> [changes]`` continues from the round after its checkpoint to
+    ``rounds``; the run's metrics are then the recorded run's rounds 0..rounds, each line once."""
     from server_app.checkpoint import load_checkpoint
 
     start = load_checkpoint(run)["round"] + 1  # the round after the last checkpointed one
     assert start >= 2
-    resumed = subprocess.run([str(BIN / "fedmm"), f"resume={run}", f"hydra.run.dir={hydra_dir}"],
+    resumed = subprocess.run([str(BIN / "fedmm"), f"resume={run}", *changes, f"hydra.run.dir={hydra_dir}"],
                              cwd=run.parent, env=env, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert f"resuming at round {start}/{rounds}" in resumed.stdout + resumed.stderr  # not from round 1

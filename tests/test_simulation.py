@@ -58,6 +58,7 @@ def stop_pids(pids: list[int]) -> None:
             pass
 
 
+@pytest.mark.ray_runtime
 def test_flwr_run_simulation_writes_metrics(tmp_path: Path) -> None:
     """``flwr run . -c "strategy='feddyn' ..."``: the method added last, as a user runs it."""
     flwr_home = tmp_path / "flwr-home"
@@ -280,6 +281,7 @@ def test_a_sweep_with_a_failed_job_finishes_the_others_lists_the_failure_and_exi
         assert "54.42" in (tmp_path / "report" / f"kdd_kdd_table1{suffix}").read_text()
 
 
+@pytest.mark.ray_runtime
 def test_a_simulation_runtime_that_cannot_start_fails_the_job_at_once(tmp_path: Path, ray_env: dict) -> None:
     """Ray can place no ClientApp (64 CPUs each on this machine): the runtime stops; the job
     fails at once with status failed and the runtime's reason, instead of waiting for replies."""
