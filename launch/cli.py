@@ -214,6 +214,12 @@ def run_job(settings: Any) -> Path:
 #: Seconds the job waits, after the simulation runtime stopped, for the ServerApp (stopped by
 #: :func:`fedmm.interrupt.abort` at its next message or wait) to write its summary and checkpoint.
 SERVER_STOP_WAIT_S = 60.0
+#: The niceness of the ClientApp workers of a Ray this job starts (Ray's own default is 15, below
+#: the driver's 0): the workers do the simulation's training, and at 15 any other busy process on
+#: the machine takes nearly all the CPU from them (a worker that got 8 s of CPU in 6 minutes beside
+#: two busy processes on 2 cores, docs/performance.md section 9). An environment that sets
+#: ``RAY_worker_niceness`` keeps its value; an attached cluster keeps its raylets' setting.
+WORKER_NICENESS = ("RAY_worker_niceness", "0")
 
 
 def _run_on_ray(cfg: Any, server_app: Any, client_app: Any, out: dict[str, Any], server_done: threading.Event) -> None:
@@ -229,6 +235,8 @@ def _run_on_ray(cfg: Any, server_app: Any, client_app: Any, out: dict[str, Any],
 
     backend = backend_config(cfg)
     attached = attach_ray(backend["init_args"])
+    if not attached:
+        os.environ.setdefault(WORKER_NICENESS[0], WORKER_NICENESS[1])
     started = False if attached else start_local_ray(backend["init_args"])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)

@@ -33,10 +33,23 @@ SLOW_FILES_FIRST = ("test_deployment.py", "test_simulation.py", "test_same_resul
                     "test_text.py", "test_launchers.py", "test_async.py")
 
 
+_CACHE_DIR = pytest.StashKey[str]()
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    """xdist schedules the files in collection order (not by their number of tests, its default)."""
+    """xdist schedules the files in collection order (not by their number of tests, its default).
+    The session's partition cache (fedmm.data.partition_cache) is a fresh folder shared by its
+    workers and every process the tests start (they inherit the environment), removed at the end:
+    each partition is computed once per session, never read from an earlier session's files."""
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
+    if "PYTEST_XDIST_WORKER" not in os.environ and "FEDMM_CACHE_DIR" not in os.environ:
+        config.stash[_CACHE_DIR] = os.environ["FEDMM_CACHE_DIR"] = tempfile.mkdtemp(prefix="fedmm-cache-")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _CACHE_DIR in config.stash:
+        shutil.rmtree(config.stash[_CACHE_DIR], ignore_errors=True)
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -97,6 +110,23 @@ def flower_task_identity():
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
     yield
     TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+
+
+def clientapp_actors_niceness(ray_tmpdir: str) -> list[int]:
+    """The niceness of each ClientApp actor of the Ray whose temp dir is ``ray_tmpdir`` (the
+    actors are the raylet's children; their command lines do not name the dir)."""
+    raylets = {pid for pid in pids_mentioning(ray_tmpdir) if b"raylet" in Path(f"/proc/{pid}/cmdline").read_bytes()}
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid in raylets and (proc / "cmdline").read_bytes().startswith(b"ray::ClientAppActor"):
+                found.append(os.getpriority(os.PRIO_PROCESS, int(proc.name)))
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
 
 
 def pids_mentioning(text: str) -> list[int]:

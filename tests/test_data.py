@@ -157,10 +157,11 @@ def test_dirichlet_skew_grows_as_alpha_shrinks(mnist5k):
 
 
 @pytest.mark.parametrize("name", ["iid", "dirichlet"])
-def test_partitions_depend_only_on_the_seed(mnist5k, name):
+def test_partitions_depend_only_on_the_seed(mnist5k, name, monkeypatch):
     train = mnist5k[0]
     first = D.partition_indices(train, partition_cfg(name), 8, seed=5)
-    P._partition_cached.cache_clear(); P._partitions.cache_clear()  # recompute rather than hit the cache
+    P._partition_cached.cache_clear(); P._partitions.cache_clear()  # recompute rather than hit the caches
+    monkeypatch.setenv("FEDMM_CACHE_DIR", "off")
     again = D.partition_indices(train, partition_cfg(name), 8, seed=5)
     other = D.partition_indices(train, partition_cfg(name), 8, seed=6)
     assert all(np.array_equal(a, b) for a, b in zip(first, again))
@@ -198,7 +199,7 @@ def test_natural_partitions_group_ids():
     assert sorted(assert_one_whole_id_per_partition(data, parts)) == [f"w{i:02d}" for i in range(6)]
 
 
-def test_natural_filters_small_ids_and_samples_a_seeded_subset():
+def test_natural_filters_small_ids_and_samples_a_seeded_subset(monkeypatch):
     counts = [5, 3, 7, 2, 6, 4, 9, 8, 1, 5]
     data = make_writers(counts)
     cfg = partition_cfg("natural", min_samples=3)  # keeps the 7 ids with > 3 samples
@@ -206,6 +207,7 @@ def test_natural_filters_small_ids_and_samples_a_seeded_subset():
     chosen = assert_one_whole_id_per_partition(data, D.partition_indices(data, cfg, 4, seed=1))
     assert set(chosen) <= big and len(chosen) == 4
     P._partition_cached.cache_clear(); P._partitions.cache_clear()
+    monkeypatch.setenv("FEDMM_CACHE_DIR", "off")  # recomputed, not read back
     again = assert_one_whole_id_per_partition(data, D.partition_indices(data, cfg, 4, seed=1))
     assert again == chosen
     subsets = {

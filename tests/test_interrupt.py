@@ -25,7 +25,7 @@ import pytest
 
 from fedmm.results import read_metrics
 from server_app.checkpoint import load_checkpoint
-from tests.conftest import pids_mentioning
+from tests.conftest import clientapp_actors_niceness, pids_mentioning
 
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parent.parent
@@ -54,6 +54,9 @@ RUNS = {"local": ["num_rounds=50", "num_clients=4", "clients_per_round=2", "trai
 def test_sigterm_stops_within_seconds_with_a_checkpoint(tmp_path: Path, ray_env: dict, engine: str) -> None:
     run = tmp_path / "run"
     proc = start_and_reach_round_1(run, ray_env, engine, RUNS[engine])
+    if engine == "ray":  # the ClientApp actor at the driver's priority, not Ray's default 15
+        # (launch.cli.WORKER_NICENESS: at 15 it starved beside other busy processes)
+        assert clientapp_actors_niceness(ray_env["RAY_TMPDIR"]) == [0]
     proc.send_signal(signal.SIGTERM)
     start = time.time()
     output, _ = proc.communicate(timeout=60)

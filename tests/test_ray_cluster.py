@@ -102,7 +102,7 @@ def ray_head(cluster_env, tmp_path_factory):
     ray_env, tmp_path = cluster_env, tmp_path_factory.mktemp("ray-head")
     tmp = ray_env["RAY_TMPDIR"]
     gcs, client, agent_http, agent_grpc, env_agent, metrics, node_manager, object_manager, dashboard = free_ports(9)
-    env = dict(ray_env, RAY_USAGE_STATS_ENABLED="0")
+    env = dict(ray_env, RAY_USAGE_STATS_ENABLED="0", RAY_worker_niceness="0")  # as docs/ray_cluster.md starts a head
     log = tmp_path / "ray-head.log"
     cmd = [
         str(BIN / "ray"), "start", "--head", "--block", f"--port={gcs}", "--num-cpus=2", "--num-gpus=0",

@@ -69,6 +69,7 @@ def test_flwr_run_simulation_writes_metrics(tmp_path: Path) -> None:
         FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
         FLWR_TELEMETRY_ENABLED="0",
         PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        RAY_worker_niceness="0",  # the Ray Flower starts: ClientApps not starved by other work (docs/usage.md)
     )
     cmd = [
         str(BIN / "flwr"), "run", str(REPO), "--stream",

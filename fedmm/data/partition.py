@@ -2,7 +2,8 @@
 
 Partitions are computed with the flwr-datasets partitioners (public API only) on a small
 ``datasets.Dataset`` that holds labels, row indices and natural ids. Partitions and client
-shards are cached per process.
+shards are cached per process, and the partitioners' rows on disk for every process of the
+machine (:mod:`fedmm.data.partition_cache`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from fedmm.data import partition_cache
 from fedmm.data.sources import _load_dataset_cached
 from fedmm.data.spec import NUM_CLIENTS_KEY, _dataset_spec, _DatasetSpec, _is_int, _partition_spec, _PartitionSpec
 from fedmm.data.tensors import TensorData
@@ -133,8 +135,17 @@ def authors_dirichlet(labels: np.ndarray, num_clients: int, alpha: float, min_si
 
 @functools.lru_cache(maxsize=16)
 def _partition_cached(train: TensorData, spec: _PartitionSpec, num_partitions: int, seed: int) -> list[np.ndarray]:
-    parts = _partitions(train, spec, num_partitions, seed)
-    return [parts.rows_of(pid) for pid in range(num_partitions)]
+    def compute() -> list[np.ndarray]:
+        parts = _partitions(train, spec, num_partitions, seed)
+        return [parts.rows_of(pid) for pid in range(num_partitions)]
+
+    if spec.name == "file" or spec.algorithm == "authors":  # no flwr-datasets import to save
+        return compute()
+    # the flwr-datasets partitioners: their rows from the disk cache, shared by the machine's processes
+    labels = train.y.numpy()
+    ids = train.ids if spec.name == "natural" else None
+    key = partition_cache.key(spec, num_partitions, seed, arrays=(labels, None if ids is None else np.asarray(ids)))
+    return partition_cache.cached_rows(key, compute)
 
 
 def _assigned(partitioner: Any, ds: Any) -> _Partitions:
