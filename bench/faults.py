@@ -156,13 +156,13 @@ def faulty_client_app():  # noqa: ANN201
 
 def run_strategy(strategy: str, root: Path, attacks: tuple[str, ...] = (), hostile: tuple[int, ...] = (1,),  # noqa: PLR0913
                  defence: tuple[str, ...] = DEFENCE, rounds: int = 20, engine: str = "local",
-                 overrides: tuple[str, ...] = ()) -> list[dict]:
+                 overrides: tuple[str, ...] = (), arms: tuple[str, ...] = ("", "+defence")) -> list[dict]:
     from flwr.serverapp import Grid, ServerApp
 
     from fedmm.config import compose, to_container
     from server_app.runner import run_experiment
     if attacks:
-        faults = [f + d for f in ["clean", *(f"{a}-{n}" for n in hostile for a in attacks)] for d in ("", "+defence")]
+        faults = [f + d for f in ["clean", *(f"{a}-{n}" for n in hostile for a in attacks)] for d in arms]
         cfgs = [
             to_container(compose([
                 f"strategy={strategy}", "num_clients=10", "clients_per_round=10", f"num_rounds={rounds}",
@@ -293,6 +293,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20, help="--attacks: rounds per run")
     parser.add_argument("--set", nargs="*", default=[], help="--attacks: overrides of every run (e.g. training.local_epochs=1)")
     parser.add_argument("--defence", nargs="+", default=list(DEFENCE), help="--attacks: the defended rows' overrides")
+    parser.add_argument("--defended-only", action="store_true",
+                        help="--attacks: only the defended runs (e.g. to compare defence settings)")
     parser.add_argument("--engine", choices=["local", "ray"], default="local",
                         help="the simulation engine (simulation.engine): in process, or Flower's on Ray")
     parser.add_argument("--out", default=None, help="default bench/results/faults.json (--attacks: attacks.json)")
@@ -303,7 +305,7 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="fedmm-faults-"))
     rows = [row for strategy in args.strategies
             for row in run_strategy(strategy, root, attacks, tuple(args.hostile), tuple(args.defence), args.rounds, args.engine,
-                                         tuple(args.set))]
+                                         tuple(args.set), ("+defence",) if args.defended_only else ("", "+defence"))]
     if attacks:
         print(attack_table(rows, attacks, args.hostile))
         Path(args.out).write_text(json.dumps({"defence": args.defence, "rounds": args.rounds, "set": args.set, "runs_in": str(root),

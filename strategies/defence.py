@@ -11,8 +11,21 @@ FedCross and FedMut are defended one by one:
   A sign-flipped update points away from the median; a free rider's update (the model it got,
   returned) has no direction at all (cosine 0). Needs at least 3 updates in the round (with
   fewer the median is not robust, and nothing is screened).
+- ``sign_screen``: an update that agrees in sign with the round's coordinate-wise median update
+  on at most this share of the coordinates (where the median is not 0) is rejected (the sign
+  statistics of SignGuard, Xu et al. 2022, and of signSGD's majority vote, Bernstein et al.
+  2019). Under label skew a client's update can be nearly orthogonal to the median, so its
+  sign-flipped copy has a cosine near 0 and passes ``screen``; the sign shares of the same
+  updates stay apart (the embedded data, FedMR, 10 clients: honest 0.52-0.77, flipped
+  0.43-0.54), and a free rider's update, all zeros, agrees nowhere. Needs at least 3 updates.
 - ``adaptive_clip``: each update's L2 norm is bounded by ``adaptive_clip`` × the median norm of
   the round's updates (a scaled update is brought back to an honest size whatever the scale).
+  With ``adaptive_clip_to=median`` an update above the bound is scaled down to the median norm
+  instead (the dynamic clipping bound of FLAME, Nguyen et al. 2022, applied to outliers only):
+  in the multi-model methods a bounded update is not one of K summands but the next model of
+  its slot, and a scaled update at twice an honest size still moved that model twice as far
+  (FedCross, 8 rounds: 0.641 against 0.747 clean), while clipping every update to the median
+  cost clean runs up to 6 points; updates within the bound are left as they are.
 - ``clip_update_norm``: a fixed L2 bound, as before.
 
 ``robust_mean`` is the other half: the mean a method takes of client models (FedAvg's
@@ -44,31 +57,52 @@ class DefenceSettings(Settings):
     multi-model methods), and a robust mean where the method takes a mean of client models."""
 
     keyed = False
+    #: Declared after runs were made: the values that reproduce those runs (the stage off).
+    added = {"adaptive_clip": None, "adaptive_clip_to": "bound", "screen": None, "sign_screen": None}
     clip_update_norm: float | None = setting(None, Nullable(Number(gt=0), "null (off) or an L2 norm > 0"),
                                              "scale each update (model − the model it was sent) down to at most this L2 norm",
                                              label="update norm ≤ {}")
     adaptive_clip: float | None = setting(None, Nullable(Number(gt=0), "null (off) or a multiple > 0"),
                                           "scale each update down to at most this multiple of the median update norm "
                                           "of the round", label="update norm ≤ {}× median")
+    adaptive_clip_to: str = setting("bound", Choice("bound", "median"),
+                                    "bound: an update above adaptive_clip × the median norm is scaled down to that "
+                                    "bound | median: down to the median norm (needs adaptive_clip)",
+                                    label="outliers to the {}")
     screen: float | None = setting(None, Nullable(Number(ge=-1, lt=1), "null (off) or a cosine in [-1, 1)"),
                                    "reject an update whose cosine similarity to the round's coordinate-wise median "
                                    "update is at most this (0: opposite or no direction); needs >= 3 updates",
                                    label="screen cos > {}")
+    sign_screen: float | None = setting(None, Nullable(Number(ge=0, lt=1), "null (off) or a share in [0, 1)"),
+                                        "reject an update that has the sign of the round's coordinate-wise median "
+                                        "update on at most this share of the coordinates (0.5: a coin's); needs >= 3 "
+                                        "updates", label="sign agreement > {}")
     robust_mean: str = setting("none", Choice("none", "median", "trimmed"),
                                "none: the method's own mean | median: coordinate-wise | trimmed: coordinate-wise "
                                "trimmed mean (unweighted)", label="{} mean")
     trim_fraction: float = setting(0.1, Number(ge=0, lt=0.5), "share of each coordinate's largest and smallest values "
                                    "left out by the trimmed mean")
 
+    def check_values(self, prefix: str) -> None:
+        """``adaptive_clip_to=median`` acts on the updates above the adaptive bound: it needs one."""
+        if self.adaptive_clip_to != "bound" and self.adaptive_clip is None:
+            raise ConfigError(f"{prefix}adaptive_clip_to", self.adaptive_clip_to,
+                              f"'bound' when {prefix}adaptive_clip is null (set an adaptive_clip for the updates it "
+                              "scales down to the median norm)")
+
     @property
     def stage_on(self) -> bool:
         """Whether the per-update stage does anything."""
-        return self.clip_update_norm is not None or self.adaptive_clip is not None or self.screen is not None
+        return any(getattr(self, name) is not None for name in SWITCHES)
 
 
+#: The stage's settings that turn it on (null: off).
+SWITCHES = ("clip_update_norm", "adaptive_clip", "screen", "sign_screen")
 #: The stage's settings (those acting on each update, before the method), and the mean's.
-STAGE = ("clip_update_norm", "adaptive_clip", "screen")
+STAGE = (*SWITCHES, "adaptive_clip_to")
 MEAN = ("robust_mean",)
+#: The settings that compare each update with the round's other updates.
+COMPARING = ("adaptive_clip", "adaptive_clip_to", "screen", "sign_screen", "robust_mean")
 
 
 def refuse(defence: DefenceSettings, refused: Mapping[str, str], method: str) -> None:
@@ -138,27 +172,34 @@ class Defence:
         norms = np.array([np.sqrt(sum(float(np.vdot(d[k], d[k])) for k in keys)) for d in deltas])
         verdict = Verdict([], log={"largest_update_norm": float(norms.max())})
         keep = np.ones(len(updates), bool)
-        if s.screen is not None and len(updates) >= 3:
-            cosines = self._cosines(deltas, norms, keys)
-            keep = cosines > s.screen
+        if (s.screen is not None or s.sign_screen is not None) and len(updates) >= 3:
+            cosines, agreement = self._against_median(deltas, norms, keys)
+            for name, values, what in (("screen", cosines, "cosine {:.3f} to"),
+                                       ("sign_screen", agreement, "sign agreement {:.3f} with")):
+                threshold = getattr(s, name)
+                if threshold is None:
+                    continue
+                verdict.log["smallest_cosine" if name == "screen" else "smallest_sign_agreement"] = float(values.min())
+                for i in np.flatnonzero(keep & (values <= threshold)):
+                    keep[i] = False
+                    verdict.rejected.append((updates[i], f"defence.{name}: {what.format(values[i])} the round's "
+                                                         f"median update is at most {threshold:g}"))
             verdict.log["updates_screened"] = float((~keep).sum())
-            verdict.log["smallest_cosine"] = float(cosines.min())
-            for i in np.flatnonzero(~keep):
-                verdict.rejected.append((updates[i], f"defence.screen: cosine {cosines[i]:.3f} to the round's median "
-                                                     f"update is at most {s.screen:g}"))
-        bound = np.inf
+        bound = target = np.inf
         if s.clip_update_norm is not None:
-            bound = float(s.clip_update_norm)
+            bound = target = float(s.clip_update_norm)
         if s.adaptive_clip is not None and keep.any():
             median = float(np.median(norms[keep]))
-            bound = min(bound, s.adaptive_clip * median)
+            if s.adaptive_clip * median < bound:
+                bound = s.adaptive_clip * median
+                target = median if s.adaptive_clip_to == "median" else bound
             verdict.log["update_norm_bound"] = bound
         scaled = 0
         for i, update in enumerate(updates):
             if not keep[i]:
                 continue
             if norms[i] > bound and norms[i] > 0:
-                scale = bound / norms[i]
+                scale = target / norms[i]
                 model = dict(update.model)
                 for k in keys:
                     value = np.asarray(update.model[k])
@@ -171,13 +212,19 @@ class Defence:
         return verdict
 
     @staticmethod
-    def _cosines(deltas: list[dict[str, np.ndarray]], norms: np.ndarray, keys: list[str]) -> np.ndarray:
-        """Each delta's cosine similarity to the coordinate-wise median delta (0 for a zero delta)."""
-        dots = np.zeros(len(deltas))
-        median_sq = 0.0
+    def _against_median(deltas: list[dict[str, np.ndarray]], norms: np.ndarray,
+                        keys: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Each delta's cosine similarity to the coordinate-wise median delta (0 for a zero delta),
+        and its share of the coordinates where the median is not 0 that have the median's sign."""
+        dots, agree = np.zeros(len(deltas)), np.zeros(len(deltas))
+        median_sq, counted = 0.0, 0
         for k in keys:
             median = np.median(np.stack([d[k] for d in deltas]), axis=0)
             median_sq += float(np.vdot(median, median))
             dots += [float(np.vdot(d[k], median)) for d in deltas]
+            sign, nonzero = np.sign(median), median != 0
+            counted += int(nonzero.sum())
+            agree += [float(np.count_nonzero(np.sign(d[k])[nonzero] == sign[nonzero])) for d in deltas]
         scale = norms * np.sqrt(median_sq)
-        return np.divide(dots, scale, out=np.zeros_like(dots), where=scale > 0)
+        cosines = np.divide(dots, scale, out=np.zeros_like(dots), where=scale > 0)
+        return cosines, agree / counted if counted else np.zeros_like(agree)

@@ -31,7 +31,7 @@ from fedmm.settings import Choice, Int, Nullable, Number, setting
 from strategies.aggregation import non_finite_key
 from strategies.asynchronous import AsyncRoundLoop, Job, buffer_setting, check_async, half, max_staleness_setting
 from strategies.base import StrategySettings
-from strategies.defence import defend
+from strategies.defence import COMPARING, defend
 
 STALENESS_WEIGHTS = ("sqrt", "none")
 
@@ -76,7 +76,7 @@ class FedBuffSettings(StrategySettings):
                                     paper="1/sqrt(1 + staleness)", label="staleness weight {}")
     max_staleness: int | None = max_staleness_setting("drop an update")
     refused_defences = dict.fromkeys(
-        ("adaptive_clip", "screen", "robust_mean"),
+        COMPARING,
         "FedBuff folds each update into its buffer's sum as it arrives, so no update is compared with the "
         "others; clip_update_norm bounds each")
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from fedmm.protocol import ClientUpdate, ModelDict
 from strategies.aggregation import mean_models
 from strategies.base import RoundLoopStrategy, StrategySettings
+from strategies.defence import MEAN, STAGE
 from strategies.selection import ClientSelector
 
 
@@ -30,7 +31,7 @@ class SoloSettings(StrategySettings):
     option = "solo"
     title = "SOLO"
     refused_defences = dict.fromkeys(
-        ("clip_update_norm", "adaptive_clip", "screen", "robust_mean"),
+        (*STAGE, *MEAN),
         "each client trains only its own model and nothing is aggregated into anyone else's, so a hostile "
         "client harms only itself")
 

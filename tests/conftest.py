@@ -60,11 +60,11 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
 
 
 # One Ray runtime at a time: Ray runtimes of several workers started within the same minute
-# compete for the cores and ports of one machine (a ClientApp actor hung for minutes in such runs
-# with three workers; it also hung once with no other Ray running: docs/performance.md, section
-# 9). A test marked ``ray_runtime`` holds an exclusive lock, shared by the session's workers,
-# while it runs; a module marked so (its Ray started by a module fixture) holds it for the whole
-# module.
+# compete for the cores and ports of one machine. A test marked ``ray_runtime`` holds an exclusive
+# lock, shared by the session's workers, while it runs; a module marked so (its Ray started by a
+# module fixture) holds it for the whole module. (What looked like a hung ClientApp actor with
+# three workers was Ray's worker niceness, 15, starving it beside the other workers' tests; a Ray
+# that fedmm starts runs its workers at 0: docs/performance.md, section 9.)
 
 
 @contextlib.contextmanager

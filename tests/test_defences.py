@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
@@ -51,6 +53,44 @@ def test_the_stage_by_hand() -> None:
     assert [reason.split(":")[0] for _, reason in verdict.rejected] == ["defence.screen"] * 2
     # fewer than 3 updates: no median to screen against
     assert len(Defence(DefenceSettings(screen=0.0)).screen_and_bound([honest[0], flipped], [sent, sent]).kept) == 2
+
+
+def test_the_sign_screen_rejects_a_flip_that_the_cosine_screen_lets_pass() -> None:
+    """Three honest updates; the flipped copy of a fourth update that is nearly orthogonal to
+    them (−10 × (1, 1, 1, 0.01, 0.01, −30)) has a small positive cosine to the round's median
+    update but the median's sign on 1 of its 6 coordinates. A free rider (no update) agrees on
+    none; the honest updates are kept."""
+    sent = {"w": np.zeros(6, np.float32), "n": np.array(5)}
+    honest = [update([1.0, 1.0, 1.0, 1.0, 1.0, 0.1], sent), update([1.2, 0.9, 1.1, 0.8, 1.0, 0.2], sent),
+              update([0.9, 1.1, 0.8, 1.2, 1.1, 0.05], sent)]
+    flipped = update([-10.0, -10.0, -10.0, -0.1, -0.1, 300.0], sent)
+    free_rider = update([0.0] * 6, sent)
+    updates, sents = [*honest, flipped, free_rider], [sent] * 5
+    by_cosine = Defence(DefenceSettings(screen=0.0)).screen_and_bound(list(updates), sents)
+    assert [u for u in by_cosine.kept if u is flipped] and by_cosine.log["smallest_cosine"] == 0.0  # only the free rider
+    by_sign = Defence(DefenceSettings(sign_screen=0.5)).screen_and_bound(list(updates), sents)
+    assert len(by_sign.kept) == 3 and all(a is b for a, b in zip(by_sign.kept, honest))
+    assert [reason.split(":")[0] for _, reason in by_sign.rejected] == ["defence.sign_screen"] * 2
+    assert "sign agreement 0.167" in by_sign.rejected[0][1] and by_sign.log["smallest_sign_agreement"] == 0.0
+    assert by_sign.log["updates_screened"] == 2.0
+
+
+def test_outliers_scaled_to_the_median_norm() -> None:
+    """``adaptive_clip_to=median``: an update above the adaptive bound is scaled down to the
+    round's median norm, not to the bound; the updates within the bound keep their size."""
+    sent = {"w": np.zeros(2, np.float32), "n": np.array(5)}
+    norms = [1.0, 1.5, 2.0, 100.0]  # median 1.75, bound 2 × 1.75 = 3.5
+    updates = [update([0.6 * n, 0.8 * n], sent) for n in norms]
+    to_bound = Defence(DefenceSettings(adaptive_clip=2.0)).screen_and_bound([update(u.model["w"].tolist(), sent) for u in updates],
+                                                                            [sent] * 4)
+    to_median = Defence(DefenceSettings(adaptive_clip=2.0, adaptive_clip_to="median")).screen_and_bound(updates, [sent] * 4)
+    assert [float(np.linalg.norm(u.model["w"])) for u in to_bound.kept] == pytest.approx([1.0, 1.5, 2.0, 3.5], rel=1e-6)
+    assert [float(np.linalg.norm(u.model["w"])) for u in to_median.kept] == pytest.approx([1.0, 1.5, 2.0, 1.75], rel=1e-6)
+    np.testing.assert_allclose(to_median.kept[3].model["w"], [1.05, 1.4], rtol=1e-6)  # its direction kept
+    assert to_median.log["update_norm_bound"] == pytest.approx(3.5) and to_median.log["updates_scaled"] == 1.0
+    with pytest.raises(ConfigError) as err:
+        compose(["strategy.defence.adaptive_clip_to=median"])
+    assert err.value.key == "strategy.defence.adaptive_clip_to"
 
 
 def one_round(strategy_name: str, defence: list[str], attack: str) -> dict[str, np.ndarray]:
@@ -110,7 +150,9 @@ def test_a_non_finite_aggregate_keeps_the_previous_models() -> None:
 DEFENCES = [
     ("clip_update_norm", ["2.0"], "scale"),
     ("adaptive_clip", ["1.5"], "scale"),
+    ("adaptive_clip_to", ["median", "strategy.defence.adaptive_clip=1.5"], "scale"),
     ("screen", ["0.0"], "flip"),
+    ("sign_screen", ["0.5"], "flip"),
     ("robust_mean", ["median"], "scale"),
     ("robust_mean", ["trimmed", "strategy.defence.trim_fraction=0.2"], "scale"),
 ]
@@ -152,6 +194,10 @@ def run_one_round(name: str, overrides: list[str], attack: str | None) -> list[n
     return [np.concatenate([np.ravel(m[k]).astype(np.float64) for k in sorted(m)]) for m in models]
 
 
+def test_the_table_names_every_defence_setting() -> None:
+    assert {name for name, _, _ in DEFENCES} == {f.name for f in dataclasses.fields(DefenceSettings)} - {"trim_fraction"}
+
+
 @pytest.mark.parametrize("name", sorted(discover("strategy")))
 def test_every_method_passes_every_defence_or_refuses_it(name: str) -> None:
     """Each defence setting either moves the models of a round with a planted outlier towards
@@ -163,8 +209,8 @@ def test_every_method_passes_every_defence_or_refuses_it(name: str) -> None:
         key = f"strategy.defence.{setting_name}"
         try:
             defended = run_one_round(name, [f"{key}={value}", *needs], attack)
-        except ConfigError as err:
-            assert err.key == key and f"strategy={name}" in str(err), err
+        except ConfigError as err:  # naming the setting, or the one it needs
+            assert err.key in {key, *(n.split("=")[0] for n in needs)} and f"strategy={name}" in str(err), err
             continue
         undefended = attacked[0] if attack == "scale" else attacked[1]
         # the stage acts on every model; a robust mean is the mean the method takes (its global model)
