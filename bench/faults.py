@@ -34,8 +34,8 @@ with ``--hostile 2``) are hostile:
   test images of other labels that the final model puts in class 0 once stamped.
 
 Each attack once with the defences off and once on (``--defence``, by default the per-update
-stage ``screen=0`` and ``adaptive_clip=2``), and a clean run of
-each (the defence's price). Its table is the final accuracy of each. Kill -9 +
+stage ``screen=0``, ``sign_screen=0.5``, ``adaptive_clip=2`` with ``adaptive_clip_to=median``;
+``--defended-only``: only the defended runs), and a clean run of each (the defence's price). Its table is the final accuracy of each. Kill -9 +
 resume, Ctrl-C + resume and a federation that never answers are covered by the test suite
 (tests/test_same_results.py, tests/test_interrupt.py, tests/test_simulation.py). Writes
 bench/results/faults.json and prints a markdown table.
@@ -58,7 +58,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 FAULTS = ("fail30", "nan", "inf", "shape", "dtype", "count", "straggler")
 ATTACKS = ("scale", "flip", "freerider", "labelflip", "backdoor")
 #: The defended rows' settings (--defence replaces them).
-DEFENCE = ("strategy.defence.screen=0.0", "strategy.defence.adaptive_clip=2.0")
+DEFENCE = ("strategy.defence.screen=0.0", "strategy.defence.sign_screen=0.5", "strategy.defence.adaptive_clip=2.0",
+           "strategy.defence.adaptive_clip_to=median")
 #: The backdoor's target class and trigger (a white square in the bottom-right corner).
 TARGET, TRIGGER = 0, 4
 
