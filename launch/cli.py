@@ -235,9 +235,10 @@ def _run_on_ray(cfg: Any, server_app: Any, client_app: Any, out: dict[str, Any],
 
     backend = backend_config(cfg)
     attached = attach_ray(backend["init_args"])
+    started = False
     if not attached:
-        os.environ.setdefault(WORKER_NICENESS[0], WORKER_NICENESS[1])
-    started = False if attached else start_local_ray(backend["init_args"])
+        os.environ.setdefault(*WORKER_NICENESS)
+        started = start_local_ray(backend["init_args"])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         try:

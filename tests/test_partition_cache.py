@@ -4,6 +4,7 @@ file is recomputed; the partitioner's warnings come back on every hit."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import warnings
@@ -75,7 +76,7 @@ def test_a_hit_does_not_import_the_partitioners(cache: Path) -> None:
               "y = torch.from_numpy(np.random.default_rng(0).integers(0, 10, 600))\n"
               f"parts = P.partition_indices(TensorData(x=torch.zeros(600, 1), y=y), {DIRICHLET!r}, 12, 3)\n"
               "print('flwr_datasets' in sys.modules, sum(int(p.sum()) * (i + 1) for i, p in enumerate(parts)))\n")
-    env = {k: v for k, v in __import__("os").environ.items()} | {C.ENV: str(cache.parent)}
+    env = dict(os.environ, **{C.ENV: str(cache.parent)})
     runs = [subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
                            check=True).stdout.split() for _ in range(2)]
     assert runs[0][0] == "True" and runs[1][0] == "False"  # computed, then read back

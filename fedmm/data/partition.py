@@ -143,8 +143,8 @@ def _partition_cached(train: TensorData, spec: _PartitionSpec, num_partitions: i
         return compute()
     # the flwr-datasets partitioners: their rows from the disk cache, shared by the machine's processes
     labels = train.y.numpy()
-    ids = train.ids if spec.name == "natural" else None
-    key = partition_cache.key(spec, num_partitions, seed, arrays=(labels, None if ids is None else np.asarray(ids)))
+    ids = np.asarray(train.ids) if spec.name == "natural" and train.ids is not None else None
+    key = partition_cache.key(spec, num_partitions, seed, arrays=(labels, ids))
     return partition_cache.cached_rows(key, compute)
 
 
