@@ -563,7 +563,15 @@ def main() -> None:
         print("fedmm: interrupted; the run directory holds a checkpoint: continue with fedmm resume=<run dir>", flush=True)
         raise SystemExit(130) from None
     if FAILED_JOBS:
-        print(f"fedmm: {len(FAILED_JOBS)} job(s) failed:", flush=True)
-        for job_dir, reason in FAILED_JOBS:
-            print(f"  {job_dir}: {reason}", flush=True)
+        report_failed_jobs(sys.stdout)
         raise SystemExit(1)
+
+
+def report_failed_jobs(out: Any) -> None:
+    """Write the list of failed jobs to ``out`` in ONE ``write``: Ray's log monitor forwards the
+    cluster workers' lines to the driver's stdout from a thread of its own, and a report made of
+    several writes (``print`` writes the text and its newline separately) can have such a line
+    land in the middle of it."""
+    lines = [f"fedmm: {len(FAILED_JOBS)} job(s) failed:"] + [f"  {job_dir}: {reason}" for job_dir, reason in FAILED_JOBS]
+    out.write("\n".join(lines) + "\n")
+    out.flush()

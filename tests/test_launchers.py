@@ -181,6 +181,26 @@ def test_the_sweep_outcome_reads_every_job_folder_of_this_sweep(tmp_path: Path, 
     assert failed[str(resumed)] == "interrupted: after round 3"
 
 
+def test_the_failed_jobs_report_is_one_write(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray's log monitor writes the cluster workers' lines to the driver's stdout from a thread
+    of its own: a report written piecewise can have one land inside it (seen: a worker's line
+    between "failed:" and its newline). The report is one write."""
+    import launch.cli as cli
+
+    monkeypatch.setattr(cli, "FAILED_JOBS", [("/r/1_a", "config error: x"), ("/r/2_b", "missing: y")])
+    writes: list[str] = []
+
+    class Out:
+        def write(self, text: str) -> None:
+            writes.append(text)
+
+        def flush(self) -> None:
+            pass
+
+    cli.report_failed_jobs(Out())
+    assert writes == ["fedmm: 2 job(s) failed:\n  /r/1_a: config error: x\n  /r/2_b: missing: y\n"]
+
+
 @pytest.mark.parametrize("key", ["output_dir", "results_root"])
 def test_fedmm_refuses_the_flwr_run_folder_keys_it_would_ignore(tmp_path: Path, key: str) -> None:
     """``fedmm`` writes into hydra's job folder; ``output_dir`` / ``results_root`` (read by ``flwr
