@@ -155,9 +155,58 @@ def _load_local(spec: _DatasetSpec) -> tuple[TensorData, TensorData]:
         return _load_cifar10_batches(root, spec)
     if kind == "cifar100":
         return _load_cifar100_python(root, spec)
-    import datasets as hfds
+    return _load_saved_folder(root, spec)
 
-    return _from_hf_object(hfds.load_from_disk(str(root)), spec, origin="dataset.path")
+
+#: The distributions whose versions are part of a saved folder's cache key.
+READER_PACKAGES = ("datasets", "pyarrow", "numpy")
+
+
+def _load_saved_folder(root: Path, spec: _DatasetSpec) -> tuple[TensorData, TensorData]:
+    """A ``datasets.save_to_disk`` folder's splits, through the machine's disk cache
+    (:mod:`fedmm.data.disk_cache`): a deployed SuperNode starts a ClientApp process for every
+    message, and reading the folder needs ``datasets`` (2-3 s of imports) where the cached
+    arrays need none. The key is the folder's files (path, size, modification time), the
+    dataset settings, the readers' versions and this code: a changed file is read again."""
+    from fedmm.data import disk_cache
+
+    def compute() -> tuple[TensorData, TensorData]:
+        import datasets as hfds
+
+        return _from_hf_object(hfds.load_from_disk(str(root)), spec, origin="dataset.path")
+
+    key = disk_cache.digest(spec, _folder_listing(root), disk_cache.versions(READER_PACKAGES),
+                            code=(Path(__file__), Path(__file__).with_name("spec.py"), Path(__file__).with_name("tensors.py")))
+    return disk_cache.cached("datasets", key, compute, _encode_splits, functools.partial(_decode_splits, spec=spec))
+
+
+def _folder_listing(root: Path) -> list[tuple[str, int, int]]:
+    """(relative path, size, modification time in ns) of every file under ``root``."""
+    listing = []
+    for path in sorted(p for p in root.resolve().rglob("*") if p.is_file()):
+        stat = path.stat()
+        listing.append((str(path.relative_to(root.resolve())), stat.st_size, stat.st_mtime_ns))
+    return [(str(root.resolve()), 0, 0), *listing]
+
+
+def _encode_splits(splits: tuple[TensorData, TensorData]) -> dict[str, np.ndarray] | None:
+    arrays: dict[str, np.ndarray] = {}
+    for name, data in zip(("train", "test"), splits):
+        arrays[f"{name}_x"], arrays[f"{name}_y"] = data.x.numpy(), data.y.numpy()
+        if data.ids is not None:
+            ids = np.asarray(data.ids)
+            if ids.dtype.kind not in "iuU":  # objects would need pickles: not stored
+                return None
+            arrays[f"{name}_ids"] = ids
+    return arrays
+
+
+def _decode_splits(stored: dict[str, np.ndarray], spec: _DatasetSpec) -> tuple[TensorData, TensorData]:
+    return tuple(  # type: ignore[return-value]
+        _image_data_kw(spec, x=torch.from_numpy(stored[f"{name}_x"]), y=torch.from_numpy(stored[f"{name}_y"]),
+                       ids=stored.get(f"{name}_ids"))
+        for name in ("train", "test")
+    )
 
 
 def _verified_cifar_files(root: Path, which: str, spec: _DatasetSpec) -> tuple[list[Path], list[Path]]:

@@ -1,6 +1,8 @@
-"""The disk cache of partitions (fedmm.data.partition_cache): a hit is the partitioner's rows,
-without importing the partitioners; anything that changes the rows changes the key; a damaged
-file is recomputed; the partitioner's warnings come back on every hit."""
+"""The machine's disk cache (fedmm.data.disk_cache). Partitions (fedmm.data.partition_cache): a
+hit is the partitioner's rows, without importing the partitioners; anything that changes the
+rows changes the key; a damaged file is recomputed; the partitioner's warnings come back on
+every hit. A ``save_to_disk`` folder's splits: a hit is what ``datasets`` reads, without
+importing it; a changed file is read again."""
 
 from __future__ import annotations
 
@@ -113,3 +115,42 @@ def test_off_and_an_unwritable_folder_leave_the_rows_unchanged(tmp_path: Path, m
     blocker.write_text("")
     monkeypatch.setenv(C.ENV, str(blocker))  # partitions/ cannot be made under a file
     assert [p.tolist() for p in C.cached_rows("k", lambda: [np.arange(2)])] == [[0, 1]]
+
+
+SAVED = ("import sys, json\n"
+         "from fedmm.data.sources import load_dataset\n"
+         "cfg = json.loads(sys.argv[1])\n"
+         "train, test = load_dataset(cfg)\n"
+         "print('datasets' in sys.modules, len(train), len(test), int(train.x.long().sum()), int(test.y.sum()), train.transform)\n")
+
+
+def test_a_saved_folder_is_read_once_and_read_again_when_a_file_changes(tmp_path: Path) -> None:
+    """Each process is a ClientApp's in a deployment: the first reads the folder with
+    ``datasets`` and stores the arrays; the next gets them without importing it; a folder
+    written again (other rows) is read again; the same folder under other settings is another
+    entry."""
+    import json
+
+    from tests.test_deployment import write_site
+
+    from fedmm.config import compose, to_container
+
+    rng = np.random.default_rng(0)
+    site = tmp_path / "site"
+    write_site(site, rng.integers(0, 256, (50, 28, 28), dtype=np.uint8), np.arange(50) % 10)
+    cfg = dict(to_container(compose(["dataset=mnist"]))["dataset"], path=str(site), source="hf")
+    env = dict(os.environ, **{C.ENV: str(tmp_path / "cache")})
+
+    def load(dataset_cfg: dict) -> list[str]:
+        return subprocess.run([sys.executable, "-c", SAVED, json.dumps(dataset_cfg)], cwd=REPO, env=env,
+                              capture_output=True, text=True, check=True).stdout.split(maxsplit=5)
+
+    first, hit = load(cfg), load(cfg)
+    assert first[0] == "True" and hit[0] == "False"  # read, then from the cache
+    assert first[1:] == hit[1:] and first[1:3] == ["40", "10"] and "ImageNormalize" in hit[5]
+    write_site(site, rng.integers(0, 256, (50, 28, 28), dtype=np.uint8), np.arange(50) % 10)  # other images
+    again = load(cfg)
+    assert again[0] == "True" and again[3] != first[3]
+    other = load(dict(cfg, test_fraction=0.5))
+    assert other[0] == "True" and other[1:3] == ["25", "25"]
+    assert len(list((tmp_path / "cache" / "datasets").glob("*.npz"))) == 3
