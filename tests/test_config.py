@@ -131,3 +131,67 @@ def test_flwr_run_records_flowers_engine_and_refuses_another() -> None:
     with pytest.raises(ConfigError) as info:
         on_flowers_engine({"overrides": "partition.alpha=0.1 simulation.engine=local"})
     assert info.value.key == "simulation.engine" and "fedmm simulation.engine=local" in str(info.value)
+
+
+#: Override lists whose composition must equal hydra's own: group selections before and after
+#: values, values inside selected groups, lists, nulls, quoted text, interpolations, an
+#: experiment (``+``), a deletion, a package and a value that hydra refuses.
+HYDRA_CASES = [
+    [],
+    ["strategy=fedmr", "num_rounds=2"],
+    ["num_rounds=2", "strategy=fedmr", "strategy.first_stage_rounds=1"],
+    ["strategy=fedcross", "training.lr=0.05", "training.local_epochs=1", "seed=3", "output_dir='/tmp/a b'"],
+    ["dataset=shakespeare", "model=char_lstm", "partition=natural", "dataset.seq_len=20"],
+    ["strategy=fedcross_async", "strategy.heterogeneity.clock=real", "strategy.buffer_size=1"],
+    ["+experiment=fedcross_shakespeare", "strategy=fedcross", "num_rounds=1"],
+    ["partition.alpha=0.1", "partition=dirichlet", "clients_per_round=${num_clients}"],
+    ["strategy=scaffold", "strategy.defence.screen=0.0", "strategy.defence.sign_screen=0.5"],
+    ["+simulation.ray_init_args={num_cpus: 2}", "num_rounds=3"],
+    ["simulation.ray_init_args={num_cpus: 2}"],
+    ["training.lr=0.1", "~training.lr"],
+    ["num_roundz=2"],
+    ["training.lr=[1"],
+]
+
+
+def test_compose_gives_what_hydra_composes() -> None:
+    """:func:`compose` keeps hydra's composition of each set of group selections and applies the
+    value overrides to a copy with hydra's own code: every case equals hydra's compose, and a
+    case hydra refuses is refused naming hydra's reason."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from fedmm import config as config_mod
+
+    config_mod.register_defaults()
+    for overrides in HYDRA_CASES * 2:  # the second pass from the kept compositions
+        try:
+            with initialize_config_dir(config_dir=str(config_mod.CONF_DIR), version_base=None):
+                theirs = OmegaConf.to_container(hydra_compose(config_name="config", overrides=overrides))
+        except Exception as err:  # noqa: BLE001 - the same refusal, below
+            with pytest.raises(ConfigError) as refused:
+                compose(overrides, validate_config=False)
+            assert str(err).splitlines()[0] in str(refused.value), overrides
+            continue
+        assert OmegaConf.to_container(compose(overrides, validate_config=False)) == theirs, overrides
+
+
+def test_a_kept_composition_is_never_handed_out_and_a_changed_conf_composes_anew(tmp_path, monkeypatch) -> None:
+    import shutil
+
+    from fedmm import config as config_mod
+
+    first = compose(["strategy=fedmr"], validate_config=False)
+    first.num_rounds = 12345
+    first.strategy.first_stage_rounds = 777
+    again = compose(["strategy=fedmr"], validate_config=False)
+    assert again.num_rounds != 12345 and again.strategy.first_stage_rounds != 777
+    conf = tmp_path / "conf"
+    shutil.copytree(config_mod.CONF_DIR, conf)
+    monkeypatch.setattr(config_mod, "CONF_DIR", conf)
+    assert compose(["strategy=fedmr"], validate_config=False).model.name == "cnn"
+    text = (conf / "config.yaml").read_text()
+    assert "  - model: cnn\n" in text
+    (conf / "config.yaml").write_text(text.replace("  - model: cnn\n", "  - model: lenet\n"))
+    assert compose(["strategy=fedmr"], validate_config=False).model.name == "lenet"
