@@ -536,9 +536,9 @@ def _split_overrides(overrides: Sequence[str]) -> tuple[list[str], list[Any]]:
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     parsed = OverridesParser.create().parse_overrides(overrides=list(overrides))
-    groups = set(ConfigStore.instance().repo) | {p.name for p in CONF_DIR.iterdir() if p.is_dir()} | {"hydra"}
     if any(o.is_delete() or o.is_add() or o.is_force_add() for o in parsed):  # order then matters: all to hydra
         return list(overrides), []
+    groups = set(ConfigStore.instance().repo) | {p.name for p in CONF_DIR.iterdir() if p.is_dir()} | {"hydra"}
     selecting: list[str] = []
     values: list[Any] = []
     for text, override in zip(overrides, parsed):

@@ -182,11 +182,12 @@ def _load_saved_folder(root: Path, spec: _DatasetSpec) -> tuple[TensorData, Tens
 
 def _folder_listing(root: Path) -> list[tuple[str, int, int]]:
     """(relative path, size, modification time in ns) of every file under ``root``."""
-    listing = []
-    for path in sorted(p for p in root.resolve().rglob("*") if p.is_file()):
+    root = root.resolve()
+    listing = [(str(root), 0, 0)]
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
         stat = path.stat()
-        listing.append((str(path.relative_to(root.resolve())), stat.st_size, stat.st_mtime_ns))
-    return [(str(root.resolve()), 0, 0), *listing]
+        listing.append((str(path.relative_to(root)), stat.st_size, stat.st_mtime_ns))
+    return listing
 
 
 def _encode_splits(splits: tuple[TensorData, TensorData]) -> dict[str, np.ndarray] | None:
