@@ -34,7 +34,8 @@ with ``--hostile 2``) are hostile:
   test images of other labels that the final model puts in class 0 once stamped.
 
 Each attack once with the defences off and once on (``--defence``, by default the per-update
-stage ``screen=0``, ``sign_screen=0.5``, ``adaptive_clip=2`` with ``adaptive_clip_to=median``;
+stage ``screen=0``, ``sign_screen=0.5``, ``adaptive_clip=2`` with ``adaptive_clip_to=median``,
+``norm_screen=3``, and ``refill=median`` for the methods that keep a model per node;
 ``--defended-only``: only the defended runs), and a clean run of each (the defence's price). Its table is the final accuracy of each. Kill -9 +
 resume, Ctrl-C + resume and a federation that never answers are covered by the test suite
 (tests/test_same_results.py, tests/test_interrupt.py, tests/test_simulation.py). Writes
@@ -59,9 +60,26 @@ FAULTS = ("fail30", "nan", "inf", "shape", "dtype", "count", "straggler")
 ATTACKS = ("scale", "flip", "freerider", "labelflip", "backdoor")
 #: The defended rows' settings (--defence replaces them).
 DEFENCE = ("strategy.defence.screen=0.0", "strategy.defence.sign_screen=0.5", "strategy.defence.adaptive_clip=2.0",
-           "strategy.defence.adaptive_clip_to=median")
+           "strategy.defence.adaptive_clip_to=median", "strategy.defence.norm_screen=3.0")
+#: Added to DEFENCE for the methods that keep a model per node (their settings accept it).
+REFILL = "strategy.defence.refill=median"
 #: The backdoor's target class and trigger (a white square in the bottom-right corner).
 TARGET, TRIGGER = 0, 4
+
+
+def default_defence(strategy: str) -> tuple[str, ...]:
+    """:data:`DEFENCE`, with :data:`REFILL` where the method's settings accept it (those that keep
+    a model per node)."""
+    from fedmm.config import compose
+    from fedmm.errors import ConfigError
+
+    try:
+        compose([f"strategy={strategy}", *DEFENCE, REFILL])
+    except ConfigError as err:
+        if err.key != REFILL.split("=")[0]:
+            raise
+        return DEFENCE
+    return (*DEFENCE, REFILL)
 
 
 def stamp(x):  # noqa: ANN001, ANN201 - uint8 images [N, C, H, W]
@@ -293,7 +311,9 @@ def main() -> None:
     parser.add_argument("--hostile", nargs="+", type=int, default=[1], help="--attacks: hostile nodes of 10 (one run each)")
     parser.add_argument("--rounds", type=int, default=20, help="--attacks: rounds per run")
     parser.add_argument("--set", nargs="*", default=[], help="--attacks: overrides of every run (e.g. training.local_epochs=1)")
-    parser.add_argument("--defence", nargs="+", default=list(DEFENCE), help="--attacks: the defended rows' overrides")
+    parser.add_argument("--defence", nargs="+", default=None,
+                        help="--attacks: the defended rows' overrides (default: DEFENCE, and REFILL where the method "
+                             "accepts it)")
     parser.add_argument("--defended-only", action="store_true",
                         help="--attacks: only the defended runs (e.g. to compare defence settings)")
     parser.add_argument("--engine", choices=["local", "ray"], default="local",
@@ -304,13 +324,14 @@ def main() -> None:
     args.out = args.out or str(Path(__file__).parent / "results" / ("attacks.json" if attacks else "faults.json"))
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     root = Path(tempfile.mkdtemp(prefix="fedmm-faults-"))
+    defences = {strategy: tuple(args.defence) if args.defence else default_defence(strategy) for strategy in args.strategies}
     rows = [row for strategy in args.strategies
-            for row in run_strategy(strategy, root, attacks, tuple(args.hostile), tuple(args.defence), args.rounds, args.engine,
+            for row in run_strategy(strategy, root, attacks, tuple(args.hostile), defences[strategy], args.rounds, args.engine,
                                          tuple(args.set), ("+defence",) if args.defended_only else ("", "+defence"))]
     if attacks:
         print(attack_table(rows, attacks, args.hostile))
-        Path(args.out).write_text(json.dumps({"defence": args.defence, "rounds": args.rounds, "set": args.set, "runs_in": str(root),
-                                              "rows": rows}, indent=2))
+        Path(args.out).write_text(json.dumps({"defence": {k: list(v) for k, v in defences.items()}, "rounds": args.rounds,
+                                              "set": args.set, "runs_in": str(root), "rows": rows}, indent=2))
         return
     print("| strategy | fault | status | accepted replies per round (of 5) | final accuracy | models lost |")
     print("|---|---|---|---|---|---|")

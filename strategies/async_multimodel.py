@@ -91,18 +91,21 @@ class AsyncMultiModel(AsyncRoundLoop):
         updates = [u for u in (self.arrived[i] for i in indices) if u is not None]
         if updates:  # the defence stage, against the model each was sent
             before = len(self.failures)
-            kept = defend(self.settings.defence, updates, [self.models[u.slot] for u in updates],
-                          [f"node {u.node_id} (model {u.slot})" for u in updates], self.failures, self.round_log)
+            kept, stand_ins = defend(self.settings.defence, updates, [self.models[u.slot] for u in updates],
+                                     [f"node {u.node_id} (model {u.slot})" for u in updates], self.failures,
+                                     self.round_log)
+            refilled = {u.slot: u for u in stand_ins}
             for update in updates:
-                if all(update is not k for k in kept):
-                    self.arrived[update.slot] = None  # the model comes back as it was sent
+                if all(update is not k for k in kept):  # its stand-in (refill), or None: back as it was sent
+                    self.arrived[update.slot] = refilled.get(update.slot)
             for reason in self.failures[before:]:
                 log(WARNING, "\t> rejected: %s", reason)
             self.last_round.rejections = list(self.failures)
             updates = kept
         current = list(self.models)
-        for update in updates:
-            current[update.slot] = update.model
+        for update in (self.arrived[i] for i in indices):  # the kept updates and the stand-ins
+            if update is not None:
+                current[update.slot] = update.model
         if self.log_model_cosine:
             self.round_log.update(cosine_summary([u.model for u in updates]))
         if self.used_staleness:

@@ -280,25 +280,28 @@ class RoundLoopStrategy(FederatedEvaluation):
         missing, defend, hand the accepted updates to the method, aggregate."""
         updates, rejected, sent = self.replies.close_round(self.clock, self.selector)
         self.round_log["virtual_time"] = self.clock.now
+        stand_ins: list[ClientUpdate] = []
         if updates and self.models:
-            updates = self._defend(server_round, updates, rejected)
+            updates, stand_ins = self._defend(server_round, updates, rejected)
         self.last_round.replies, self.last_round.rejections = len(updates), rejected
         log_train_round(server_round, len(updates), sent, rejected)
         self.round_log.update(client_metrics(updates, self.weighted_by_key))
         for update in updates:
             self.on_update(server_round, update)
         metrics = self.train_metrics(updates)
-        return self._aggregate_finite(server_round, updates, metrics), metrics
+        return self._aggregate_finite(server_round, updates + stand_ins, metrics), metrics
 
-    def _defend(self, server_round: int, updates: list[ClientUpdate], rejected: list[str]) -> list[ClientUpdate]:
+    def _defend(self, server_round: int, updates: list[ClientUpdate],
+                rejected: list[str]) -> tuple[list[ClientUpdate], list[ClientUpdate]]:
         """The defence stage (:func:`strategies.defence.defend`) on the round's accepted updates,
-        each against the model it was sent; the selector then observes the updates kept."""
+        each against the model it was sent: the updates kept (the selector observes them) and the
+        rejected ones' stand-ins (``refill``), which only :meth:`aggregate` sees."""
         assert self.models is not None
         sent = [self.models[self.model_for_slot(u.slot)] for u in updates]
-        kept = defend(self.settings.defence, updates, sent, [self._where(u.node_id, u.slot) for u in updates], rejected,
-                      self.round_log)
+        kept, stand_ins = defend(self.settings.defence, updates, sent, [self._where(u.node_id, u.slot) for u in updates],
+                                 rejected, self.round_log)
         self.selector.observe(server_round, kept, [self.models[self.model_for_slot(u.slot)] for u in kept])
-        return kept
+        return kept, stand_ins
 
     def _aggregate_finite(self, server_round: int, updates: list[ClientUpdate], metrics: MetricRecord) -> ArrayRecord | None:
         """:meth:`aggregate`, and the global arrays; an aggregate with NaN/Inf replaces nothing:

@@ -27,6 +27,19 @@ FedCross and FedMut are defended one by one:
   (FedCross, 8 rounds: 0.641 against 0.747 clean), while clipping every update to the median
   cost clean runs up to 6 points; updates within the bound are left as they are.
 - ``clip_update_norm``: a fixed L2 bound, as before.
+- ``norm_screen``: an update whose L2 norm is above ``norm_screen`` × the round's median update
+  norm is rejected rather than scaled down. A scaled-down update keeps its direction, which is an
+  honest one for a scaled update but an ascent step for a boosted sign flip (× −10) that agreed
+  with the median on just over half of the coordinates and passed ``sign_screen``: in the
+  multi-model methods that step is the next model of its slot. Needs at least 3 updates.
+- ``refill``: for the methods that keep a model per node of the round (FedMR, FedCross, FedMut
+  and their asynchronous versions; the other methods' settings refuse it), a
+  rejected update's slot takes its sent model plus the coordinate-wise median of the round's
+  kept updates (as bounded) instead of staying as it was sent: a rejected node then leaves no
+  untrained model behind, which the method would carry into its global mean and, by
+  recombination or fusion, into the other models (FedMR lost 4 points with one free rider of
+  ten in 8 rounds, its slot rejected or not). The refilled slot is not a reply: it is not in
+  the round's replies, metrics or client statistics.
 
 ``robust_mean`` is the other half: the mean a method takes of client models (FedAvg's
 aggregate, the multi-model methods' global model, FedExP's, FedDyn's and SCAFFOLD's mean step)
@@ -58,7 +71,8 @@ class DefenceSettings(Settings):
 
     keyed = False
     #: Declared after runs were made: the values that reproduce those runs (the stage off).
-    added = {"adaptive_clip": None, "adaptive_clip_to": "bound", "screen": None, "sign_screen": None}
+    added = {"adaptive_clip": None, "adaptive_clip_to": "bound", "screen": None, "sign_screen": None,
+             "norm_screen": None, "refill": "none"}
     clip_update_norm: float | None = setting(None, Nullable(Number(gt=0), "null (off) or an L2 norm > 0"),
                                              "scale each update (model − the model it was sent) down to at most this L2 norm",
                                              label="update norm ≤ {}")
@@ -77,6 +91,14 @@ class DefenceSettings(Settings):
                                         "reject an update that has the sign of the round's coordinate-wise median "
                                         "update on at most this share of the coordinates (0.5: a coin's); needs >= 3 "
                                         "updates", label="sign agreement > {}")
+    norm_screen: float | None = setting(None, Nullable(Number(gt=1), "null (off) or a multiple > 1"),
+                                        "reject an update whose L2 norm is above this multiple of the round's median "
+                                        "update norm (instead of scaling it down); needs >= 3 updates",
+                                        label="reject norm > {}× median")
+    refill: str = setting("none", Choice("none", "median"),
+                          "none: a rejected update's model stays as it was sent | median: it takes the round's "
+                          "coordinate-wise median of the kept updates (methods with a model per node: FedMR, "
+                          "FedCross, FedMut; needs screen, sign_screen or norm_screen)", label="rejected: {} update")
     robust_mean: str = setting("none", Choice("none", "median", "trimmed"),
                                "none: the method's own mean | median: coordinate-wise | trimmed: coordinate-wise "
                                "trimmed mean (unweighted)", label="{} mean")
@@ -89,6 +111,10 @@ class DefenceSettings(Settings):
             raise ConfigError(f"{prefix}adaptive_clip_to", self.adaptive_clip_to,
                               f"'bound' when {prefix}adaptive_clip is null (set an adaptive_clip for the updates it "
                               "scales down to the median norm)")
+        if self.refill != "none" and all(getattr(self, name) is None for name in REJECTING):
+            raise ConfigError(f"{prefix}refill", self.refill,
+                              f"'none' when {prefix}screen, {prefix}sign_screen and {prefix}norm_screen are all null "
+                              "(nothing is rejected, so no slot is refilled)")
 
     @property
     def stage_on(self) -> bool:
@@ -96,13 +122,17 @@ class DefenceSettings(Settings):
         return any(getattr(self, name) is not None for name in SWITCHES)
 
 
-#: The stage's settings that turn it on (null: off).
-SWITCHES = ("clip_update_norm", "adaptive_clip", "screen", "sign_screen")
+#: The stage's settings that reject updates, and all that turn it on (null: off).
+REJECTING = ("screen", "sign_screen", "norm_screen")
+SWITCHES = ("clip_update_norm", "adaptive_clip", *REJECTING)
 #: The stage's settings (those acting on each update, before the method), and the mean's.
-STAGE = (*SWITCHES, "adaptive_clip_to")
+STAGE = (*SWITCHES, "adaptive_clip_to", "refill")
 MEAN = ("robust_mean",)
 #: The settings that compare each update with the round's other updates.
-COMPARING = ("adaptive_clip", "adaptive_clip_to", "screen", "sign_screen", "robust_mean")
+COMPARING = ("adaptive_clip", "adaptive_clip_to", *REJECTING, "refill", "robust_mean")
+#: Why a method with one model refuses ``refill`` (its settings' ``refused_defences``).
+ONE_MODEL = {"refill": "the method takes one mean of the kept updates, which a rejected node is simply left out "
+                       "of; refill is for the methods that keep a model per node (fedmr, fedcross, fedmut)"}
 
 
 def refuse(defence: DefenceSettings, refused: Mapping[str, str], method: str) -> None:
@@ -116,16 +146,19 @@ def refuse(defence: DefenceSettings, refused: Mapping[str, str], method: str) ->
 
 
 def defend(defence: DefenceSettings, updates: list[ClientUpdate], sent: Sequence[Mapping[str, np.ndarray]],
-           names: list[str], rejected: list[str], round_log: dict[str, float]) -> list[ClientUpdate]:
+           names: list[str], rejected: list[str],
+           round_log: dict[str, float]) -> tuple[list[ClientUpdate], list[ClientUpdate]]:
     """The stage (:meth:`Defence.screen_and_bound`) on a round's accepted ``updates``
     (``sent[i]``: the model ``updates[i]`` was sent, ``names[i]``: how logs name its node): the
-    updates kept; each screened reply's reason goes into ``rejected``, the stage's numbers into
-    ``round_log``."""
+    updates kept, and the stand-ins of the rejected ones (``refill``; not replies: the method
+    puts their models in their slots and counts nothing else of them); each screened reply's
+    reason goes into ``rejected``, the stage's numbers into ``round_log``."""
     verdict = Defence(defence).screen_and_bound(updates, sent)
     by_id = {id(u): name for u, name in zip(updates, names)}
-    rejected.extend(f"{by_id[id(u)]}: {reason}" for u, reason in verdict.rejected)
+    refilled = " (its slot takes the round's median update)" if verdict.stand_ins else ""
+    rejected.extend(f"{by_id[id(u)]}: {reason}{refilled}" for u, reason in verdict.rejected)
     round_log.update(verdict.log)
-    return verdict.kept
+    return verdict.kept, verdict.stand_ins
 
 
 def robust_mean(defence: DefenceSettings, models: list[ModelDict]) -> ModelDict | None:
@@ -152,6 +185,9 @@ class Verdict:
 
     kept: list[ClientUpdate]
     rejected: list[tuple[ClientUpdate, str]] = field(default_factory=list)
+    #: ``refill``: each rejected update's stand-in (its node and slot, its sent model plus the
+    #: median of the kept updates, no metrics).
+    stand_ins: list[ClientUpdate] = field(default_factory=list)
     log: dict[str, float] = field(default_factory=dict)
 
 
@@ -172,19 +208,8 @@ class Defence:
         norms = np.array([np.sqrt(sum(float(np.vdot(d[k], d[k])) for k in keys)) for d in deltas])
         verdict = Verdict([], log={"largest_update_norm": float(norms.max())})
         keep = np.ones(len(updates), bool)
-        if (s.screen is not None or s.sign_screen is not None) and len(updates) >= 3:
-            cosines, agreement = self._against_median(deltas, norms, keys)
-            for name, values, what in (("screen", cosines, "cosine {:.3f} to"),
-                                       ("sign_screen", agreement, "sign agreement {:.3f} with")):
-                threshold = getattr(s, name)
-                if threshold is None:
-                    continue
-                verdict.log["smallest_cosine" if name == "screen" else "smallest_sign_agreement"] = float(values.min())
-                for i in np.flatnonzero(keep & (values <= threshold)):
-                    keep[i] = False
-                    verdict.rejected.append((updates[i], f"defence.{name}: {what.format(values[i])} the round's "
-                                                         f"median update is at most {threshold:g}"))
-            verdict.log["updates_screened"] = float((~keep).sum())
+        if any(getattr(s, name) is not None for name in REJECTING) and len(updates) >= 3:
+            self._screen(updates, deltas, norms, keys, keep, verdict)
         bound = target = np.inf
         if s.clip_update_norm is not None:
             bound = target = float(s.clip_update_norm)
@@ -200,16 +225,58 @@ class Defence:
                 continue
             if norms[i] > bound and norms[i] > 0:
                 scale = target / norms[i]
-                model = dict(update.model)
                 for k in keys:
-                    value = np.asarray(update.model[k])
-                    model[k] = (np.asarray(sent[i][k], np.float64) + deltas[i][k] * scale).astype(value.dtype)
-                update.model = model
+                    deltas[i][k] *= scale
+                update.model = self._moved(update.model, sent[i], deltas[i], keys)
                 scaled += 1
             verdict.kept.append(update)
         if np.isfinite(bound):
             verdict.log["updates_scaled"] = float(scaled)
+        if s.refill == "median" and verdict.rejected and keep.any():
+            median = {k: np.median(np.stack([deltas[i][k] for i in np.flatnonzero(keep)]), axis=0) for k in keys}
+            index = {id(u): i for i, u in enumerate(updates)}
+            for update, _ in verdict.rejected:
+                i = index[id(update)]
+                verdict.stand_ins.append(ClientUpdate(update.node_id, update.slot,
+                                                      self._moved(update.model, sent[i], median, keys), 0.0, {}))
         return verdict
+
+    def _screen(self, updates: list[ClientUpdate], deltas: list[dict[str, np.ndarray]], norms: np.ndarray,
+                keys: list[str], keep: np.ndarray, verdict: Verdict) -> None:
+        """``screen``, ``sign_screen`` and ``norm_screen``: clear ``keep`` of each update
+        rejected, with its reason in ``verdict``."""
+        s = self.settings
+        tests: list[tuple[str, np.ndarray, list[str]]] = []  # (setting, True where rejected, reasons)
+        if s.screen is not None or s.sign_screen is not None:
+            cosines, agreement = self._against_median(deltas, norms, keys)
+            if s.screen is not None:
+                verdict.log["smallest_cosine"] = float(cosines.min())
+                tests.append(("screen", cosines <= s.screen, [f"cosine {c:.3f} to the round's median update is at most "
+                                                              f"{s.screen:g}" for c in cosines]))
+            if s.sign_screen is not None:
+                verdict.log["smallest_sign_agreement"] = float(agreement.min())
+                tests.append(("sign_screen", agreement <= s.sign_screen,
+                              [f"sign agreement {a:.3f} with the round's median update is at most {s.sign_screen:g}"
+                               for a in agreement]))
+        if s.norm_screen is not None:
+            ratio = norms / max(float(np.median(norms)), np.finfo(float).tiny)
+            verdict.log["largest_norm_ratio"] = float(ratio.max())
+            tests.append(("norm_screen", ratio > s.norm_screen, [f"update norm {r:.3g}× the round's median is above "
+                                                                 f"{s.norm_screen:g}×" for r in ratio]))
+        for name, out, reasons in tests:
+            for i in np.flatnonzero(keep & out):
+                keep[i] = False
+                verdict.rejected.append((updates[i], f"defence.{name}: {reasons[i]}"))
+        verdict.log["updates_screened"] = float((~keep).sum())
+
+    @staticmethod
+    def _moved(model: ModelDict, sent: Mapping[str, np.ndarray], delta: Mapping[str, np.ndarray],
+               keys: list[str]) -> ModelDict:
+        """``model`` with each floating entry replaced by ``sent + delta`` (in the entry's dtype)."""
+        out = dict(model)
+        for k in keys:
+            out[k] = (np.asarray(sent[k], np.float64) + delta[k]).astype(np.asarray(model[k]).dtype)
+        return out
 
     @staticmethod
     def _against_median(deltas: list[dict[str, np.ndarray]], norms: np.ndarray,

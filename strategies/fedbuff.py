@@ -151,7 +151,7 @@ class FedBuff(AsyncRoundLoop):
         model = job.update.model
         if self.defence.clip_update_norm is not None:  # the defence stage, one update at a time
             before = dict(self.round_log)
-            [update] = defend(self.settings.defence, [job.update], [sent], [self.name_job(job)], self.failures, self.round_log)
+            [update], _ = defend(self.settings.defence, [job.update], [sent], [self.name_job(job)], self.failures, self.round_log)
             model = update.model
             self.round_log["largest_update_norm"] = max(before.get("largest_update_norm", 0.0), self.round_log["largest_update_norm"])
             self.round_log["updates_scaled"] += before.get("updates_scaled", 0.0)

@@ -36,6 +36,7 @@ class FedCrossSettings(StrategySettings):
 
     option = "fedcross"
     title = "FedCross"
+    refused_defences = {}  # a model per node: refill has its meaning
     alpha: float = setting(0.99, Number(ge=0, le=1), "weight of the model itself in w_j <- alpha*w_j + (1-alpha)*w_c(j)",
                            paper="0.99", label="α {}")
     selection: str = setting("lowest-similarity", Choice(*SELECTIONS), "how each model's collaborative model is chosen",

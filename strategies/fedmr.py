@@ -27,6 +27,7 @@ class FedMRSettings(StrategySettings):
 
     option = "fedmr"
     title = "FedMR"
+    refused_defences = {}  # a model per node: refill has its meaning
     first_stage_rounds: int = setting(0, Int(min=0), "rounds of plain aggregation first (two-stage training)",
                                       paper="0 (CNN), 100 (ResNet-20, VGG-16)", label="first stage {}")
     first_stage_by_model: dict = setting({}, MapOf(Int(min=0), "a mapping of model names to rounds >= 0"),

@@ -25,6 +25,7 @@ class FedMutSettings(StrategySettings):
 
     option = "fedmut"
     title = "FedMut"
+    refused_defences = {}  # a model per node: refill has its meaning
     radius: float = setting(4.0, Number(gt=0), "mutation radius: how far along ±Δ the models are placed",
                             paper="4.0 (the authors' code)", label="radius {}")
     acc_rate: float = setting(0.3, Number(ge=0.0, le=1.0), "mutation acceleration c = acc_rate · (1 − min(r / bound, 1))",

@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 
 from fedmm.errors import ConfigError
 from fedmm.settings import Int, Nullable, Number, Settings, setting
-from strategies.defence import DefenceSettings, refuse
+from strategies.defence import ONE_MODEL, DefenceSettings, refuse
 from strategies.heterogeneity import NEUTRAL, HeterogeneitySettings
 
 
@@ -23,8 +23,9 @@ class StrategySettings(Settings):
     group = "strategy"
     companions: ClassVar[dict[str, str]] = {}
     weighs_replies: ClassVar[bool] = False
-    #: Defence settings that have no meaning for the method: {setting: why} (refused when set).
-    refused_defences: ClassVar[dict[str, str]] = {}
+    #: Defence settings that have no meaning for the method: {setting: why} (refused when set);
+    #: ``refill`` unless the method keeps a model per node of the round (it declares ``{}``).
+    refused_defences: ClassVar[dict[str, str]] = ONE_MODEL
     fraction_evaluate: float = setting(0.0, Number(ge=0.0, le=1.0),
                                        "share of the connected nodes that evaluate the global model each round")
     max_num_examples: int | None = setting(None, Nullable(Int(min=1), "null (2**31 - 1) or an integer >= 1"),

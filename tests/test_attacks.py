@@ -45,3 +45,10 @@ def test_the_table_puts_defence_off_beside_on_with_the_backdoors_success() -> No
                             ("backdoor-1+defence", 0.87, 0.2)]]
     table = faults.attack_table(rows, ("backdoor",), [1]).splitlines()
     assert table[2] == "| fedavg | off | 0.900 | 0.880 [0.70] |" and table[3] == "| fedavg | on | 0.890 | 0.870 [0.20] |"
+
+
+def test_the_default_defence_refills_the_slots_of_the_methods_that_keep_a_model_per_node() -> None:
+    for strategy in ("fedmr", "fedcross", "fedmut", "fedcross_async"):
+        assert faults.default_defence(strategy) == (*faults.DEFENCE, faults.REFILL)
+    for strategy in ("fedavg", "fedexp", "scaffold"):
+        assert faults.default_defence(strategy) == faults.DEFENCE

@@ -14,7 +14,7 @@ from strategies import build_strategy
 from fedmm.errors import ConfigError
 from fedmm.protocol import ClientUpdate
 from strategies.aggregation import robust_mean_models
-from strategies.defence import Defence, DefenceSettings
+from strategies.defence import Defence, DefenceSettings, defend
 from tests.fakes import FakeGrid
 
 
@@ -93,6 +93,51 @@ def test_outliers_scaled_to_the_median_norm() -> None:
     assert err.value.key == "strategy.defence.adaptive_clip_to"
 
 
+def test_the_norm_screen_rejects_and_refill_gives_the_slot_the_median_update() -> None:
+    """``norm_screen``: an update above the multiple of the round's median norm is rejected (a
+    flip boosted × −10 that a direction screen would let pass, too); ``refill=median``: the
+    rejected update's slot takes its sent model plus the coordinate-wise median of the kept
+    updates (as bounded), with its node and slot and no metrics of its own."""
+    sents = [{"w": np.full(2, float(i), np.float32), "n": np.array(5)} for i in range(5)]  # one sent model per slot
+    steps = [[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [3.0, 0.0], [-10.0, -5.0]]  # median norm 1.41; the last 11.2
+    updates = [ClientUpdate(i, i, {"w": (sents[i]["w"] + step).astype(np.float32), "n": np.array(6)}, 10.0,
+                            {"loss": 1.0}) for i, step in enumerate(steps)]
+    verdict = Defence(DefenceSettings(norm_screen=3.0)).screen_and_bound(list(updates), sents)
+    assert [u.node_id for u in verdict.kept] == [0, 1, 2, 3] and not verdict.stand_ins
+    assert verdict.rejected[0][1].startswith("defence.norm_screen: update norm 7.91× the round's median")
+    assert verdict.log["largest_norm_ratio"] == pytest.approx(np.hypot(10, 5) / np.sqrt(2))
+
+    rejected: list[str] = []
+    kept, stand_ins = defend(DefenceSettings(norm_screen=3.0, adaptive_clip=2.0, adaptive_clip_to="median",
+                                             refill="median"), list(updates), sents, [f"node {i}" for i in range(5)],
+                             rejected, {})
+    # the kept steps: (1, 0), (0, 1), (1, 1) and (3, 0) scaled to the median norm of the four, 1.207
+    np.testing.assert_allclose(kept[3].model["w"] - sents[3]["w"], [1.2071, 0.0], rtol=1e-4)
+    [stand_in] = stand_ins
+    assert (stand_in.node_id, stand_in.slot, stand_in.metrics, stand_in.num_examples) == (4, 4, {}, 0.0)
+    np.testing.assert_allclose(stand_in.model["w"], sents[4]["w"] + [np.median([1, 0, 1, 1.2071]), 0.5], rtol=1e-4)
+    assert stand_in.model["w"].dtype == np.float32 and stand_in.model["n"] == 6
+    assert rejected == ["node 4: defence.norm_screen: update norm 7.91× the round's median is above 3× "
+                        "(its slot takes the round's median update)"]
+    with pytest.raises(ConfigError) as err:  # nothing to refill without a screen that rejects
+        compose(["strategy=fedmr", "strategy.defence.refill=median", "strategy.defence.adaptive_clip=2.0"])
+    assert err.value.key == "strategy.defence.refill"
+    with pytest.raises(ConfigError) as err:  # one model: a rejected node is left out of its mean
+        compose(["strategy=fedavg", "strategy.defence.refill=median", "strategy.defence.norm_screen=3.0"])
+    assert err.value.key == "strategy.defence.refill" and "strategy=fedavg" in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["fedmr", "fedcross", "fedmut", "fedmr_async", "fedcross_async"])
+def test_a_refilled_slot_brings_the_global_model_towards_the_honest_round(name: str) -> None:
+    """With the flipped update rejected, its slot left as it was sent drags the method's global
+    model (the mean of its K models) back towards the sent model; refilled with the median
+    update it does not. Nothing of the stand-in is counted as a reply."""
+    honest = run_one_round(name, [], None)[0]
+    screened = run_one_round(name, ["strategy.defence.norm_screen=3.0"], "flip")[0]
+    refilled = run_one_round(name, ["strategy.defence.norm_screen=3.0", "strategy.defence.refill=median"], "flip")[0]
+    assert np.abs(refilled - honest).max() < np.abs(screened - honest).max() / 2
+
+
 def one_round(strategy_name: str, defence: list[str], attack: str) -> dict[str, np.ndarray]:
     """One round of 5 clients whose honest update is +1 on every weight; client 4 attacks."""
     strategy = build_strategy(compose([f"strategy={strategy_name}", "num_clients=5", "clients_per_round=5", *defence]))
@@ -153,6 +198,8 @@ DEFENCES = [
     ("adaptive_clip_to", ["median", "strategy.defence.adaptive_clip=1.5"], "scale"),
     ("screen", ["0.0"], "flip"),
     ("sign_screen", ["0.5"], "flip"),
+    ("norm_screen", ["3.0"], "scale"),
+    ("refill", ["median", "strategy.defence.norm_screen=3.0"], "flip"),
     ("robust_mean", ["median"], "scale"),
     ("robust_mean", ["trimmed", "strategy.defence.trim_fraction=0.2"], "scale"),
 ]
