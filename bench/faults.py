@@ -35,7 +35,7 @@ with ``--hostile 2``) are hostile:
 
 Each attack once with the defences off and once on (``--defence``, by default the per-update
 stage ``screen=0``, ``sign_screen=0.5``, ``adaptive_clip=2`` with ``adaptive_clip_to=median``,
-``norm_screen=3``, and ``refill=median`` for the methods that keep a model per node;
+and for the methods that keep a model per node also ``norm_screen=3`` and ``refill=median``;
 ``--defended-only``: only the defended runs), and a clean run of each (the defence's price). Its table is the final accuracy of each. Kill -9 +
 resume, Ctrl-C + resume and a federation that never answers are covered by the test suite
 (tests/test_same_results.py, tests/test_interrupt.py, tests/test_simulation.py). Writes
@@ -60,26 +60,28 @@ FAULTS = ("fail30", "nan", "inf", "shape", "dtype", "count", "straggler")
 ATTACKS = ("scale", "flip", "freerider", "labelflip", "backdoor")
 #: The defended rows' settings (--defence replaces them).
 DEFENCE = ("strategy.defence.screen=0.0", "strategy.defence.sign_screen=0.5", "strategy.defence.adaptive_clip=2.0",
-           "strategy.defence.adaptive_clip_to=median", "strategy.defence.norm_screen=3.0")
-#: Added to DEFENCE for the methods that keep a model per node (their settings accept it).
-REFILL = "strategy.defence.refill=median"
+           "strategy.defence.adaptive_clip_to=median")
+#: Added to DEFENCE for the methods that keep a model per node (whose settings accept ``refill``):
+#: there an outlying update is rejected, not scaled down (a scaled-down flip is still the next
+#: model of its slot), and its slot refilled with the round's median update.
+PER_MODEL = ("strategy.defence.norm_screen=3.0", "strategy.defence.refill=median")
 #: The backdoor's target class and trigger (a white square in the bottom-right corner).
 TARGET, TRIGGER = 0, 4
 
 
 def default_defence(strategy: str) -> tuple[str, ...]:
-    """:data:`DEFENCE`, with :data:`REFILL` where the method's settings accept it (those that keep
-    a model per node)."""
+    """:data:`DEFENCE`, with :data:`PER_MODEL` where the method's settings accept it (those that
+    keep a model per node)."""
     from fedmm.config import compose
     from fedmm.errors import ConfigError
 
     try:
-        compose([f"strategy={strategy}", *DEFENCE, REFILL])
+        compose([f"strategy={strategy}", *DEFENCE, *PER_MODEL])
     except ConfigError as err:
-        if err.key != REFILL.split("=")[0]:
+        if err.key != "strategy.defence.refill":
             raise
         return DEFENCE
-    return (*DEFENCE, REFILL)
+    return (*DEFENCE, *PER_MODEL)
 
 
 def stamp(x):  # noqa: ANN001, ANN201 - uint8 images [N, C, H, W]
@@ -312,8 +314,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20, help="--attacks: rounds per run")
     parser.add_argument("--set", nargs="*", default=[], help="--attacks: overrides of every run (e.g. training.local_epochs=1)")
     parser.add_argument("--defence", nargs="+", default=None,
-                        help="--attacks: the defended rows' overrides (default: DEFENCE, and REFILL where the method "
-                             "accepts it)")
+                        help="--attacks: the defended rows' overrides (default: DEFENCE, and PER_MODEL where the "
+                             "method accepts it)")
     parser.add_argument("--defended-only", action="store_true",
                         help="--attacks: only the defended runs (e.g. to compare defence settings)")
     parser.add_argument("--engine", choices=["local", "ray"], default="local",

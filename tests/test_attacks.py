@@ -49,6 +49,6 @@ def test_the_table_puts_defence_off_beside_on_with_the_backdoors_success() -> No
 
 def test_the_default_defence_refills_the_slots_of_the_methods_that_keep_a_model_per_node() -> None:
     for strategy in ("fedmr", "fedcross", "fedmut", "fedcross_async"):
-        assert faults.default_defence(strategy) == (*faults.DEFENCE, faults.REFILL)
+        assert faults.default_defence(strategy) == (*faults.DEFENCE, *faults.PER_MODEL)
     for strategy in ("fedavg", "fedexp", "scaffold"):
         assert faults.default_defence(strategy) == faults.DEFENCE
