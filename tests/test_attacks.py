@@ -47,8 +47,11 @@ def test_the_table_puts_defence_off_beside_on_with_the_backdoors_success() -> No
     assert table[2] == "| fedavg | off | 0.900 | 0.880 [0.70] |" and table[3] == "| fedavg | on | 0.890 | 0.870 [0.20] |"
 
 
-def test_the_default_defence_refills_the_slots_of_the_methods_that_keep_a_model_per_node() -> None:
-    for strategy in ("fedmr", "fedcross", "fedmut", "fedcross_async"):
+def test_the_default_defence_rejects_and_refills_for_the_methods_whose_models_persist() -> None:
+    for strategy in ("fedmr", "fedcross", "fedcross_async", "indep"):
         assert faults.default_defence(strategy) == (*faults.DEFENCE, *faults.PER_MODEL)
-    for strategy in ("fedavg", "fedexp", "scaffold"):
+    for strategy in ("fedavg", "fedexp", "scaffold", "fedmut"):
         assert faults.default_defence(strategy) == faults.DEFENCE
+    # every method it names accepts the settings it adds
+    for option in faults.PER_MODEL_METHODS:
+        assert compose([f"strategy={option}", *faults.DEFENCE, *faults.PER_MODEL]).strategy.option == option
