@@ -32,8 +32,8 @@ FedCross and FedMut are defended one by one:
   honest one for a scaled update but an ascent step for a boosted sign flip (× −10) that agreed
   with the median on just over half of the coordinates and passed ``sign_screen``: in the
   multi-model methods that step is the next model of its slot. Needs at least 3 updates.
-- ``refill``: for the methods that keep a model per node of the round (FedMR, FedCross, FedMut
-  and their asynchronous versions; the other methods' settings refuse it), a
+- ``refill``: for the methods that keep a model per node of the round (FedMR, FedCross, FedMut,
+  the asynchronous FedMR and FedCross; the other methods' settings refuse it), a
   rejected update's slot takes its sent model plus the coordinate-wise median of the round's
   kept updates (as bounded) instead of staying as it was sent: a rejected node then leaves no
   untrained model behind, which the method would carry into its global mean and, by
