@@ -131,15 +131,27 @@ def test_the_norm_screen_rejects_and_refill_gives_the_slot_the_median_update() -
 def test_a_refilled_slot_brings_the_global_model_towards_the_honest_round(name: str) -> None:
     """With the flipped update rejected, its slot left as it was sent drags the method's global
     model (the mean of its K models) back towards the sent model; refilled with the median
-    update it does not. Nothing of the stand-in is counted as a reply."""
+    update it does not."""
     honest = run_one_round(name, [], None)[0]
     screened = run_one_round(name, ["strategy.defence.norm_screen=3.0"], "flip")[0]
     refilled = run_one_round(name, ["strategy.defence.norm_screen=3.0", "strategy.defence.refill=median"], "flip")[0]
     assert np.abs(refilled - honest).max() < np.abs(screened - honest).max() / 2
 
 
-def one_round(strategy_name: str, defence: list[str], attack: str) -> dict[str, np.ndarray]:
-    """One round of 5 clients whose honest update is +1 on every weight; client 4 attacks."""
+def test_a_stand_in_is_not_a_reply() -> None:
+    """The refilled slot's model is the method's, not the node's: the round counts 4 replies of
+    5, its metrics are the kept replies', and the rejection says the slot was refilled."""
+    seen: list = []
+    one_round("fedmr", ["strategy.defence.norm_screen=3.0", "strategy.defence.refill=median"], "flip", seen)
+    strategy, metrics = seen
+    assert metrics["replies"] == 4.0 and strategy.last_round.replies == 4
+    [reason] = strategy.last_round.rejections
+    assert "defence.norm_screen" in reason and reason.endswith("(its slot takes the round's median update)")
+
+
+def one_round(strategy_name: str, defence: list[str], attack: str, seen: list | None = None) -> dict[str, np.ndarray]:
+    """One round of 5 clients whose honest update is +1 on every weight; client 4 attacks (the
+    strategy and the round's metrics go into ``seen``)."""
     strategy = build_strategy(compose([f"strategy={strategy_name}", "num_clients=5", "clients_per_round=5", *defence]))
     initial = {"w": np.zeros(4, np.float32)}
     strategy.initialize(initial)
@@ -154,7 +166,9 @@ def one_round(strategy_name: str, defence: list[str], attack: str) -> dict[str, 
 
     grid = FakeGrid(node, num_nodes=5)
     messages = list(strategy.configure_train(1, protocol.model_to_record(initial), ConfigRecord({"x": 1}), grid))
-    out, _ = strategy.aggregate_train(1, grid.send_and_receive(messages))
+    out, metrics = strategy.aggregate_train(1, grid.send_and_receive(messages))
+    if seen is not None:
+        seen += [strategy, metrics]
     return protocol.record_to_model(out)
 
 
