@@ -40,6 +40,15 @@ and for FedMR and FedCross (and their asynchronous versions) also ``norm_screen=
 resume, Ctrl-C + resume and a federation that never answers are covered by the test suite
 (tests/test_same_results.py, tests/test_interrupt.py, tests/test_simulation.py). Writes
 bench/results/faults.json and prints a markdown table.
+
+    python bench/faults.py --attacks --set training.local_epochs=1 seed=1 ...   # the same table at another seed
+    python bench/faults.py --summarize bench/results/attacks_*.json             # no runs: the gaps over the seeds
+
+``--summarize`` pairs each defended attack (with the strategy's default defence) with the clean
+run of its own seed and prints the gap in points, averaged over the seeds the files hold: one
+8-round run moves by several points from seed to seed, the pairs by less. ``--clean-only`` runs
+the clean experiment alone, the defence off and on (the reference of a seed whose attack runs
+were defended only).
 """
 
 from __future__ import annotations
@@ -181,7 +190,7 @@ def run_strategy(strategy: str, root: Path, attacks: tuple[str, ...] = (), hosti
     from fedmm.config import compose, to_container
     from server_app.runner import run_experiment
     if attacks:
-        faults = [f + d for f in ["clean", *(f"{a}-{n}" for n in hostile for a in attacks)] for d in arms]
+        faults = [f + d for f in ["clean", *(f"{a}-{n}" for n in hostile for a in attacks if a)] for d in arms]
         cfgs = [
             to_container(compose([
                 f"strategy={strategy}", "num_clients=10", "clients_per_round=10", f"num_rounds={rounds}",
@@ -295,12 +304,63 @@ def attack_table(rows: list[dict], attacks: tuple[str, ...], hostile: list[int])
         text = f"{row['final_accuracy']:.3f}" + ("" if row["status"] == "completed" else f" ({row['status']})")
         return text + (f" [{row['backdoor_success']:.2f}]" if fault.startswith("backdoor") and "backdoor_success" in row else "")
 
-    columns = ["clean", *(f"{a}-{n}" for n in hostile for a in attacks)]
+    columns = ["clean", *(f"{a}-{n}" for n in hostile for a in attacks if a)]
     lines = ["| strategy | defence | " + " | ".join(columns) + " |", "|---|---|" + "---|" * len(columns)]
     for strategy in dict.fromkeys(r["strategy"] for r in rows):
         for suffix, label in (("", "off"), ("+defence", "on")):
             lines.append(f"| {strategy} | {label} | " + " | ".join(cell(c + suffix, strategy) for c in columns) + " |")
     return "\n".join(lines)
+
+
+def seeds_table(files: list[str]) -> tuple[str, dict]:
+    """Markdown and numbers: each defended attack's gap to the clean run, paired seed by seed and
+    averaged over the seeds, from ``--attacks`` result files of the same length (rounds, every
+    override but ``seed``). Only the rows run with the strategy's default defence
+    (:func:`default_defence`) count; the reference is the clean run with the defence off where a
+    file has it for that seed, else the defended clean run (the defence's price is then left out:
+    the note under the table says which)."""
+    length, cells = None, {}  # cells[(strategy, fault)][seed] = [accuracy, ...]
+    for name in files:
+        data = json.loads(Path(name).read_text())
+        seed = next((int(s.partition("=")[2]) for s in data["set"] if s.startswith("seed=")), 0)
+        this = (data["rounds"], sorted(s for s in data["set"] if not s.startswith("seed=")))
+        if length not in (None, this):
+            raise SystemExit(f"{name}: rounds/overrides {this} differ from the other files' {length}")
+        length = this
+        for row in data["rows"]:
+            strategy, fault = row["strategy"], row["fault"]
+            defence = data["defence"][strategy] if isinstance(data["defence"], dict) else data["defence"]
+            if fault.endswith("+defence") and set(defence) != set(default_defence(strategy)):
+                continue
+            cells.setdefault((strategy, fault), {}).setdefault(seed, []).append(row["final_accuracy"])
+    strategies = list(dict.fromkeys(s for s, _ in cells))
+    columns = list(dict.fromkeys(f.removesuffix("+defence") for s, f in cells if f.endswith("+defence") and not f.startswith("clean")))
+    summary, priced = {}, set()
+    for strategy in strategies:
+        summary[strategy] = {}
+        for column in columns:
+            attacked = cells.get((strategy, column + "+defence"), {})
+            gaps = []
+            for seed, values in sorted(attacked.items()):
+                clean = cells.get((strategy, "clean"), {}).get(seed)
+                priced.add(clean is not None)
+                clean = clean or cells.get((strategy, "clean+defence"), {}).get(seed)
+                if clean:
+                    gaps.append(100 * (float(np.mean(values)) - float(np.mean(clean))))
+            summary[strategy][column] = gaps
+    lines = ["| strategy | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
+    for strategy in strategies:
+        def cell(gaps: list[float]) -> str:
+            if not gaps:
+                return "–"
+            mark = "**" if round(float(np.mean(gaps)), 1) >= -2 else ""
+            spread = f" ({min(gaps):+.1f} to {max(gaps):+.1f})" if len(gaps) > 1 else ""
+            return f"{mark}{np.mean(gaps):+.1f}{mark}{spread} n={len(gaps)}"
+        lines.append(f"| {strategy} | " + " | ".join(cell(summary[strategy][c]) for c in columns) + " |")
+    reference = {True: "the clean run with the defence off", False: "the defended clean run"}
+    note = "reference: " + " or ".join(reference[p] for p in sorted(priced, reverse=True))
+    return "\n".join(lines) + f"\n\nPoints from the clean run (mean over seeds, paired; the seeds' range; {note}; "\
+        "bold: within 2 points).", summary
 
 
 def main() -> None:
@@ -319,8 +379,16 @@ def main() -> None:
     parser.add_argument("--engine", choices=["local", "ray"], default="local",
                         help="the simulation engine (simulation.engine): in process, or Flower's on Ray")
     parser.add_argument("--out", default=None, help="default bench/results/faults.json (--attacks: attacks.json)")
+    parser.add_argument("--clean-only", action="store_true", help="--attacks: only the clean runs, the defence off and on")
+    parser.add_argument("--summarize", nargs="+", metavar="FILE", default=None,
+                        help="no runs: each defended attack's gap to the clean run over the seeds of these --attacks files")
     args = parser.parse_args()
+    if args.summarize:
+        print(seeds_table(args.summarize)[0])
+        return
     attacks = tuple(args.attacks or ATTACKS) if args.attacks is not None else ()
+    if args.clean_only:
+        attacks = ("",)  # the clean experiment alone (see run_strategy)
     args.out = args.out or str(Path(__file__).parent / "results" / ("attacks.json" if attacks else "faults.json"))
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     root = Path(tempfile.mkdtemp(prefix="fedmm-faults-"))

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
@@ -55,3 +57,24 @@ def test_the_default_defence_rejects_and_refills_for_the_methods_whose_models_pe
     # every method it names accepts the settings it adds
     for option in faults.PER_MODEL_METHODS:
         assert compose([f"strategy={option}", *faults.DEFENCE, *faults.PER_MODEL]).strategy.option == option
+
+
+def test_the_seeds_table_pairs_each_attack_with_the_clean_run_of_its_own_seed(tmp_path: Path) -> None:
+    default, other = list(faults.DEFENCE), ["strategy.defence.screen=0.0"]
+
+    def write(name: str, seed: int, defence: list[str], accuracies: dict[str, float], rounds: int = 8) -> str:
+        rows = [{"strategy": "fedavg", "fault": f, "final_accuracy": a} for f, a in accuracies.items()]
+        path = tmp_path / name
+        path.write_text(json.dumps({"defence": defence, "rounds": rounds, "set": ["training.local_epochs=1", f"seed={seed}"],
+                                    "rows": rows}))
+        return str(path)
+
+    # seed 0: clean 0.80 (off), attacked 0.79; seed 1: clean 0.60 (only defended: 0.61), attacked 0.55
+    files = [write("a.json", 0, default, {"clean": 0.80, "clean+defence": 0.81, "scale-1+defence": 0.79}),
+             write("b.json", 1, default, {"clean+defence": 0.61, "scale-1+defence": 0.55}),
+             write("c.json", 1, other, {"scale-1+defence": 0.10})]  # not the default defence: left out
+    text, gaps = faults.seeds_table(files)
+    assert [round(g, 6) for g in gaps["fedavg"]["scale-1"]] == [-1.0, -6.0]  # 0.79 − 0.80, 0.55 − 0.61
+    assert "| fedavg | -3.5 (-6.0 to -1.0) n=2 |" in text.splitlines()
+    with pytest.raises(SystemExit, match="rounds"):
+        faults.seeds_table([*files, write("d.json", 2, default, {"clean": 0.7}, rounds=20)])
