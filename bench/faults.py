@@ -48,12 +48,17 @@ bench/results/faults.json and prints a markdown table.
 run of its own seed and prints the gap in points, averaged over the seeds the files hold: one
 8-round run moves by several points from seed to seed, the pairs by less. ``--clean-only`` runs
 the clean experiment alone, the defence off and on (the reference of a seed whose attack runs
-were defended only).
+were defended only). ``--screen-stats`` records what the screens measured of each update (cosine
+and sign agreement to the round's median update, norm ratio to the median norm), with the
+partition that sent it, and prints per experiment the honest updates' worst and median score,
+the hostile ones' range and the rounds in which every hostile update scored worse than every
+honest one: whether a screen could tell them apart at all.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -106,14 +111,17 @@ def experiment(fault: str) -> tuple[str, int, bool]:
     return attack, int(count or 1), defended
 
 
-def hostile_data(real_local_data):  # noqa: ANN001, ANN201
+def hostile_data(real_local_data, partitions: dict[int, int] | None = None):  # noqa: ANN001, ANN201
     """The ClientApp's data function with the data attacks of the experiment (its output folder's
-    name) applied to the hostile partitions' training rows."""
+    name) applied to the hostile partitions' training rows; ``partitions`` (when given) learns
+    each node id's partition."""
     import dataclasses
 
     from fedmm.data import input_spec
 
     def local_data(run, context, part="train"):  # noqa: ANN001, ANN202
+        if partitions is not None:
+            partitions[context.node_id] = int(context.node_config.get("partition-id", -1))
         data = real_local_data(run, context, part)
         attack, hostile, _ = experiment(Path(run.output_dir).name)
         if part != "train" or int(context.node_config.get("partition-id", -1)) >= hostile:
@@ -182,9 +190,68 @@ def faulty_client_app():  # noqa: ANN201
     return app
 
 
+class ScreenRecorder:
+    """``--screen-stats``: what the defence stage's screens measured of each update, round by
+    round, with the partition of the node that sent it (hostile: the experiment's first
+    partitions), from the verdict of :meth:`strategies.defence.Defence.screen_and_bound`."""
+
+    def __init__(self) -> None:
+        self.partitions: dict[int, int] = {}
+        self.rounds: dict[str, list[list[dict]]] = {}
+        self.experiment = ""
+
+    def __enter__(self) -> ScreenRecorder:
+        from strategies.defence import Defence
+
+        self.real = real = Defence.screen_and_bound
+
+        def screen_and_bound(defence, updates, sent):  # noqa: ANN001, ANN202
+            verdict = real(defence, updates, sent)
+            if verdict.scores:
+                rejected = {id(u) for u, _ in verdict.rejected}
+                self.rounds.setdefault(self.experiment, []).append([
+                    {"partition": self.partitions.get(u.node_id, -1), "rejected": id(u) in rejected,
+                     **{name: float(values[i]) for name, values in verdict.scores.items()}}
+                    for i, u in enumerate(updates)])
+            return verdict
+
+        Defence.screen_and_bound = screen_and_bound
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from strategies.defence import Defence
+
+        Defence.screen_and_bound = self.real
+
+
+def screen_table(rows: list[dict]) -> str:
+    """Markdown: per experiment with ``screen_stats`` and per score, the honest updates' lowest
+    and median value, the hostile ones' range, and the rounds in which every hostile update
+    scored worse than every honest one (lower cosine or sign agreement, higher norm ratio)."""
+    lines = ["| strategy | experiment | score | honest: worst, median | hostile: range | rounds apart |",
+             "|---|---|---|---|---|---|"]
+    for row in rows:
+        rounds = row.get("screen_stats") or []
+        hostile = experiment(row["fault"])[1] if row["fault"].split("+")[0] != "clean" else 0
+        for score in ("cosine", "sign_agreement", "norm_ratio"):
+            per_round = [([u[score] for u in r if u["partition"] >= hostile], [u[score] for u in r if 0 <= u["partition"] < hostile])
+                         for r in rounds if score in r[0]]
+            if not per_round:
+                continue
+            honest = [v for h, _ in per_round for v in h]
+            bad = [v for _, b in per_round for v in b]
+            high = score == "norm_ratio"  # a high norm ratio is the suspicious end
+            worst = max(honest) if high else min(honest)
+            apart = sum(1 for h, b in per_round if b and (min(b) > max(h) if high else max(b) < min(h)))
+            lines.append(f"| {row['strategy']} | {row['fault']} | {score} | {worst:.3f}, {float(np.median(honest)):.3f} | "
+                         + (f"{min(bad):.3f} to {max(bad):.3f} | {apart} of {len(per_round)}" if bad else "– | –") + " |")
+    return "\n".join(lines)
+
+
 def run_strategy(strategy: str, root: Path, attacks: tuple[str, ...] = (), hostile: tuple[int, ...] = (1,),  # noqa: PLR0913
                  defence: tuple[str, ...] = DEFENCE, rounds: int = 20, engine: str = "local",
-                 overrides: tuple[str, ...] = (), arms: tuple[str, ...] = ("", "+defence")) -> list[dict]:
+                 overrides: tuple[str, ...] = (), arms: tuple[str, ...] = ("", "+defence"),
+                 recorder: ScreenRecorder | None = None) -> list[dict]:
     from flwr.serverapp import Grid, ServerApp
 
     from fedmm.config import compose, to_container
@@ -215,6 +282,8 @@ def run_strategy(strategy: str, root: Path, attacks: tuple[str, ...] = (), hosti
     @app.main()
     def main(grid: Grid, context) -> None:  # noqa: ANN001
         for cfg in cfgs:
+            if recorder is not None:
+                recorder.experiment = Path(cfg["output_dir"]).name
             try:
                 run_experiment(grid, cfg)
             except Exception:  # noqa: BLE001 - the row records the status
@@ -223,7 +292,8 @@ def run_strategy(strategy: str, root: Path, attacks: tuple[str, ...] = (), hosti
     from client_app import work
 
     real_local_data = work.local_data
-    work.local_data = hostile_data(real_local_data)  # in this process: the in-process engine's ClientApp
+    # in this process: the in-process engine's ClientApp
+    work.local_data = hostile_data(real_local_data, None if recorder is None else recorder.partitions)
     try:
         simulate(app, cfgs[0], engine)
     finally:
@@ -231,6 +301,8 @@ def run_strategy(strategy: str, root: Path, attacks: tuple[str, ...] = (), hosti
     rows = []
     for fault, cfg in zip(faults, cfgs):
         rows.append({"strategy": strategy, "fault": fault, **outcome(cfg)})
+        if recorder is not None:
+            rows[-1]["screen_stats"] = recorder.rounds.get(fault, [])
         if attacks and (Path(cfg["output_dir"]) / "final_model.pt").exists():
             rows[-1]["backdoor_success"] = backdoor_success(cfg)
     return rows
@@ -380,6 +452,8 @@ def main() -> None:
                         help="the simulation engine (simulation.engine): in process, or Flower's on Ray")
     parser.add_argument("--out", default=None, help="default bench/results/faults.json (--attacks: attacks.json)")
     parser.add_argument("--clean-only", action="store_true", help="--attacks: only the clean runs, the defence off and on")
+    parser.add_argument("--screen-stats", action="store_true",
+                        help="--attacks: record what the screens measured of each update, honest and hostile")
     parser.add_argument("--summarize", nargs="+", metavar="FILE", default=None,
                         help="no runs: each defended attack's gap to the clean run over the seeds of these --attacks files")
     args = parser.parse_args()
@@ -393,11 +467,16 @@ def main() -> None:
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     root = Path(tempfile.mkdtemp(prefix="fedmm-faults-"))
     defences = {strategy: tuple(args.defence) if args.defence else default_defence(strategy) for strategy in args.strategies}
-    rows = [row for strategy in args.strategies
-            for row in run_strategy(strategy, root, attacks, tuple(args.hostile), defences[strategy], args.rounds, args.engine,
-                                         tuple(args.set), ("+defence",) if args.defended_only else ("", "+defence"))]
+    recorder = ScreenRecorder() if args.screen_stats else None
+    with recorder or contextlib.nullcontext():
+        rows = [row for strategy in args.strategies
+                for row in run_strategy(strategy, root, attacks, tuple(args.hostile), defences[strategy], args.rounds,
+                                        args.engine, tuple(args.set), ("+defence",) if args.defended_only else ("", "+defence"),
+                                        recorder)]
     if attacks:
         print(attack_table(rows, attacks, args.hostile))
+        if recorder is not None:
+            print(screen_table(rows))
         Path(args.out).write_text(json.dumps({"defence": {k: list(v) for k, v in defences.items()}, "rounds": args.rounds,
                                               "set": args.set, "runs_in": str(root), "rows": rows}, indent=2))
         return

@@ -189,6 +189,10 @@ class Verdict:
     #: median of the kept updates, no metrics).
     stand_ins: list[ClientUpdate] = field(default_factory=list)
     log: dict[str, float] = field(default_factory=dict)
+    #: What the screens measured of each update, in the order of the round's updates:
+    #: ``cosine`` and ``sign_agreement`` (to the round's median update), ``norm_ratio`` (to the
+    #: median norm), each where its screen is on and the round has at least 3 updates.
+    scores: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 class Defence:
@@ -249,6 +253,7 @@ class Defence:
         tests: list[tuple[str, np.ndarray, list[str]]] = []  # (setting, True where rejected, reasons)
         if s.screen is not None or s.sign_screen is not None:
             cosines, agreement = self._against_median(deltas, norms, keys)
+            verdict.scores.update(cosine=cosines, sign_agreement=agreement)
             if s.screen is not None:
                 verdict.log["smallest_cosine"] = float(cosines.min())
                 tests.append(("screen", cosines <= s.screen, [f"cosine {c:.3f} to the round's median update is at most "
@@ -260,6 +265,7 @@ class Defence:
                                for a in agreement]))
         if s.norm_screen is not None:
             ratio = norms / max(float(np.median(norms)), np.finfo(float).tiny)
+            verdict.scores["norm_ratio"] = ratio
             verdict.log["largest_norm_ratio"] = float(ratio.max())
             tests.append(("norm_screen", ratio > s.norm_screen, [f"update norm {r:.3g}× the round's median is above "
                                                                  f"{s.norm_screen:g}×" for r in ratio]))

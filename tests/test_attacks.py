@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -78,3 +79,33 @@ def test_the_seeds_table_pairs_each_attack_with_the_clean_run_of_its_own_seed(tm
     assert "| fedavg | -3.5 (-6.0 to -1.0) n=2 |" in text.splitlines()
     with pytest.raises(SystemExit, match="rounds"):
         faults.seeds_table([*files, write("d.json", 2, default, {"clean": 0.7}, rounds=20)])
+
+
+def test_the_screen_table_says_where_hostile_updates_scored_worse_than_every_honest_one() -> None:
+    def scores(cosines: list[float]) -> list[dict]:
+        return [{"partition": p, "rejected": False, "cosine": c, "norm_ratio": 1.0 + p} for p, c in enumerate(cosines)]
+
+    # partition 0 hostile: below every honest cosine in round 1 (0.1 < 0.2), not in round 2 (0.25 > 0.2)
+    rows = [{"strategy": "fedavg", "fault": "labelflip-1+defence", "screen_stats": [scores([0.1, 0.3, 0.2]), scores([0.25, 0.3, 0.2])]}]
+    table = faults.screen_table(rows).splitlines()
+    assert table[2] == "| fedavg | labelflip-1+defence | cosine | 0.200, 0.250 | 0.100 to 0.250 | 1 of 2 |"
+    assert table[3] == "| fedavg | labelflip-1+defence | norm_ratio | 3.000, 2.500 | 1.000 to 1.000 | 0 of 2 |"  # high is suspect
+    clean = faults.screen_table([{**rows[0], "fault": "clean+defence"}]).splitlines()
+    assert clean[2] == "| fedavg | clean+defence | cosine | 0.100, 0.225 | – | – |"  # every node honest
+
+
+def test_the_screen_recorder_names_each_updates_partition() -> None:
+    from fedmm.protocol import ClientUpdate
+    from strategies.defence import Defence, DefenceSettings
+
+    sent = {"w": np.zeros(3, np.float32)}
+    steps = [[1.0, 1.0, 0.5], [1.0, 0.8, 0.6], [-9.0, -9.0, -9.0], [0.9, 1.1, 0.4]]
+    updates = [ClientUpdate(100 + i, i, {"w": np.array(w, np.float32)}, 10.0, {}) for i, w in enumerate(steps)]
+    with faults.ScreenRecorder() as recorder:
+        recorder.partitions.update({100: 3, 101: 1, 102: 0, 103: 2})
+        recorder.experiment = "flip-1+defence"
+        Defence(DefenceSettings(screen=0.0, norm_screen=3.0)).screen_and_bound(updates, [sent] * 4)
+    assert Defence.screen_and_bound is recorder.real  # put back
+    (round_,) = recorder.rounds["flip-1+defence"]
+    assert [u["partition"] for u in round_] == [3, 1, 0, 2] and [u["rejected"] for u in round_] == [False, False, True, False]
+    assert round_[2]["cosine"] < 0 < round_[0]["cosine"] and round_[2]["norm_ratio"] > 3

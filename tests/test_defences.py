@@ -73,6 +73,9 @@ def test_the_sign_screen_rejects_a_flip_that_the_cosine_screen_lets_pass() -> No
     assert [reason.split(":")[0] for _, reason in by_sign.rejected] == ["defence.sign_screen"] * 2
     assert "sign agreement 0.167" in by_sign.rejected[0][1] and by_sign.log["smallest_sign_agreement"] == 0.0
     assert by_sign.log["updates_screened"] == 2.0
+    # the verdict keeps each update's scores, in the round's order
+    np.testing.assert_allclose(by_sign.scores["sign_agreement"], [1.0, 1.0, 1.0, 1 / 6, 0.0])
+    assert by_cosine.scores["cosine"][4] == 0.0 and by_cosine.scores["cosine"][3] > 0 and "norm_ratio" not in by_cosine.scores
 
 
 def test_outliers_scaled_to_the_median_norm() -> None:
