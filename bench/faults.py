@@ -46,7 +46,9 @@ bench/results/faults.json and prints a markdown table.
 
 ``--summarize`` pairs each defended attack (with the strategy's default defence) with the clean
 run of its own seed and prints the gap in points, averaged over the seeds the files hold: one
-8-round run moves by several points from seed to seed, the pairs by less. ``--clean-only`` runs
+8-round run moves by several points from seed to seed, the pairs by less. A second table takes
+the defended free-rider run as the reference instead: the federation without the hostile nodes'
+updates, which is where a defence that rejects them ends (the data they hold is lost with them). ``--clean-only`` runs
 the clean experiment alone, the defence off and on (the reference of a seed whose attack runs
 were defended only). ``--screen-stats`` records what the screens measured of each update (cosine
 and sign agreement to the round's median update, norm ratio to the median norm), with the
@@ -384,13 +386,16 @@ def attack_table(rows: list[dict], attacks: tuple[str, ...], hostile: list[int])
     return "\n".join(lines)
 
 
-def seeds_table(files: list[str]) -> tuple[str, dict]:
-    """Markdown and numbers: each defended attack's gap to the clean run, paired seed by seed and
-    averaged over the seeds, from ``--attacks`` result files of the same length (rounds, every
-    override but ``seed``). Only the rows run with the strategy's default defence
-    (:func:`default_defence`) count; the reference is the clean run with the defence off where a
-    file has it for that seed, else the defended clean run (the defence's price is then left out:
-    the note under the table says which)."""
+def seeds_table(files: list[str], against: str = "clean") -> tuple[str, dict]:
+    """Markdown and numbers: each defended attack's gap in points to a reference run of its own
+    seed, averaged over the seeds, from ``--attacks`` result files of the same length (rounds,
+    every override but ``seed``). Only the rows run with the strategy's default defence
+    (:func:`default_defence`) count. ``against="clean"``: the clean run with the defence off
+    where a file has it for that seed, else the defended clean run (the note under the table
+    says which). ``against="absent"``: the defended free-rider run with as many hostile nodes,
+    the federation without their updates as the defence leaves it (the free rider's update is
+    zero, rejected by the sign screen in every round): what a defence that rejected every
+    hostile update would have reached."""
     length, cells = None, {}  # cells[(strategy, fault)][seed] = [accuracy, ...]
     for name in files:
         data = json.loads(Path(name).read_text())
@@ -405,34 +410,35 @@ def seeds_table(files: list[str]) -> tuple[str, dict]:
             if fault.endswith("+defence") and set(defence) != set(default_defence(strategy)):
                 continue
             cells.setdefault((strategy, fault), {}).setdefault(seed, []).append(row["final_accuracy"])
+
+    notes = set()
+
+    def reference(strategy: str, column: str, seed: int) -> list[float] | None:
+        if against == "absent":
+            return cells.get((strategy, f"freerider-{experiment(column)[1]}+defence"), {}).get(seed)
+        clean = cells.get((strategy, "clean"), {}).get(seed)
+        notes.add("the clean run with the defence off" if clean else "the defended clean run")
+        return clean or cells.get((strategy, "clean+defence"), {}).get(seed)
+
     strategies = list(dict.fromkeys(s for s, _ in cells))
-    columns = list(dict.fromkeys(f.removesuffix("+defence") for s, f in cells if f.endswith("+defence") and not f.startswith("clean")))
-    summary, priced = {}, set()
-    for strategy in strategies:
-        summary[strategy] = {}
-        for column in columns:
-            attacked = cells.get((strategy, column + "+defence"), {})
-            gaps = []
-            for seed, values in sorted(attacked.items()):
-                clean = cells.get((strategy, "clean"), {}).get(seed)
-                priced.add(clean is not None)
-                clean = clean or cells.get((strategy, "clean+defence"), {}).get(seed)
-                if clean:
-                    gaps.append(100 * (float(np.mean(values)) - float(np.mean(clean))))
-            summary[strategy][column] = gaps
+    columns = [c for c in dict.fromkeys(f.removesuffix("+defence") for _, f in cells if f.endswith("+defence"))
+               if c != "clean" and not (against == "absent" and c.startswith("freerider"))]
+    summary = {strategy: {column: [100 * (float(np.mean(values)) - float(np.mean(ref)))
+                                   for seed, values in sorted(cells.get((strategy, column + "+defence"), {}).items())
+                                   if (ref := reference(strategy, column, seed))]
+                          for column in columns} for strategy in strategies}
+
+    def cell(gaps: list[float]) -> str:
+        if not gaps:
+            return "–"
+        mark = "**" if round(float(np.mean(gaps)), 1) >= -2 else ""
+        spread = f" ({min(gaps):+.1f} to {max(gaps):+.1f})" if len(gaps) > 1 else ""
+        return f"{mark}{np.mean(gaps):+.1f}{mark}{spread} n={len(gaps)}"
+
     lines = ["| strategy | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
-    for strategy in strategies:
-        def cell(gaps: list[float]) -> str:
-            if not gaps:
-                return "–"
-            mark = "**" if round(float(np.mean(gaps)), 1) >= -2 else ""
-            spread = f" ({min(gaps):+.1f} to {max(gaps):+.1f})" if len(gaps) > 1 else ""
-            return f"{mark}{np.mean(gaps):+.1f}{mark}{spread} n={len(gaps)}"
-        lines.append(f"| {strategy} | " + " | ".join(cell(summary[strategy][c]) for c in columns) + " |")
-    reference = {True: "the clean run with the defence off", False: "the defended clean run"}
-    note = "reference: " + " or ".join(reference[p] for p in sorted(priced, reverse=True))
-    return "\n".join(lines) + f"\n\nPoints from the clean run (mean over seeds, paired; the seeds' range; {note}; "\
-        "bold: within 2 points).", summary
+    lines += [f"| {strategy} | " + " | ".join(cell(summary[strategy][c]) for c in columns) + " |" for strategy in strategies]
+    what = "the defended free-rider run with as many hostile nodes" if against == "absent" else " or ".join(sorted(notes, reverse=True))
+    return "\n".join(lines) + f"\n\nPoints from {what} (mean over seeds, paired; the seeds' range; bold: within 2 points).", summary
 
 
 def main() -> None:
@@ -458,7 +464,7 @@ def main() -> None:
                         help="no runs: each defended attack's gap to the clean run over the seeds of these --attacks files")
     args = parser.parse_args()
     if args.summarize:
-        print(seeds_table(args.summarize)[0])
+        print(seeds_table(args.summarize)[0], seeds_table(args.summarize, "absent")[0], sep="\n\n")
         return
     attacks = tuple(args.attacks or ATTACKS) if args.attacks is not None else ()
     if args.clean_only:
