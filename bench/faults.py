@@ -199,8 +199,16 @@ class ScreenRecorder:
 
     def __init__(self) -> None:
         self.partitions: dict[int, int] = {}
-        self.rounds: dict[str, list[list[dict]]] = {}
+        self.rounds: dict[str, list[list[dict]]] = {}  # by the experiment's output folder
         self.experiment = ""
+
+    def begin(self, cfg: dict) -> None:
+        """The rounds that follow are the experiment of ``cfg``'s."""
+        self.experiment = str(cfg["output_dir"])
+
+    def of(self, cfg: dict) -> list[list[dict]]:
+        """The rounds recorded for the experiment of ``cfg``."""
+        return self.rounds.get(str(cfg["output_dir"]), [])
 
     def __enter__(self) -> ScreenRecorder:
         from strategies.defence import Defence
@@ -285,7 +293,7 @@ def run_strategy(strategy: str, root: Path, attacks: tuple[str, ...] = (), hosti
     def main(grid: Grid, context) -> None:  # noqa: ANN001
         for cfg in cfgs:
             if recorder is not None:
-                recorder.experiment = Path(cfg["output_dir"]).name
+                recorder.begin(cfg)
             try:
                 run_experiment(grid, cfg)
             except Exception:  # noqa: BLE001 - the row records the status
@@ -304,7 +312,7 @@ def run_strategy(strategy: str, root: Path, attacks: tuple[str, ...] = (), hosti
     for fault, cfg in zip(faults, cfgs):
         rows.append({"strategy": strategy, "fault": fault, **outcome(cfg)})
         if recorder is not None:
-            rows[-1]["screen_stats"] = recorder.rounds.get(fault, [])
+            rows[-1]["screen_stats"] = recorder.of(cfg)
         if attacks and (Path(cfg["output_dir"]) / "final_model.pt").exists():
             rows[-1]["backdoor_success"] = backdoor_success(cfg)
     return rows

@@ -107,11 +107,16 @@ def test_the_screen_recorder_names_each_updates_partition() -> None:
     sent = {"w": np.zeros(3, np.float32)}
     steps = [[1.0, 1.0, 0.5], [1.0, 0.8, 0.6], [-9.0, -9.0, -9.0], [0.9, 1.1, 0.4]]
     updates = [ClientUpdate(100 + i, i, {"w": np.array(w, np.float32)}, 10.0, {}) for i, w in enumerate(steps)]
+    stage = Defence(DefenceSettings(screen=0.0, norm_screen=3.0))
+    fedavg, fedmr = {"output_dir": "/runs/fedavg/flip-1+defence"}, {"output_dir": "/runs/fedmr/flip-1+defence"}
     with faults.ScreenRecorder() as recorder:
         recorder.partitions.update({100: 3, 101: 1, 102: 0, 103: 2})
-        recorder.experiment = "flip-1+defence"
-        Defence(DefenceSettings(screen=0.0, norm_screen=3.0)).screen_and_bound(updates, [sent] * 4)
+        recorder.begin(fedavg)
+        stage.screen_and_bound(updates, [sent] * 4)
+        recorder.begin(fedmr)  # the same experiment of another strategy: its rounds apart
+        stage.screen_and_bound(updates[:3], [sent] * 3)
     assert Defence.screen_and_bound is recorder.real  # put back
-    (round_,) = recorder.rounds["flip-1+defence"]
+    assert [len(r) for r in recorder.of(fedavg)] == [4] and [len(r) for r in recorder.of(fedmr)] == [3]
+    (round_,) = recorder.of(fedavg)
     assert [u["partition"] for u in round_] == [3, 1, 0, 2] and [u["rejected"] for u in round_] == [False, False, True, False]
     assert round_[2]["cosine"] < 0 < round_[0]["cosine"] and round_[2]["norm_ratio"] > 3
