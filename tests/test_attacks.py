@@ -52,12 +52,13 @@ def test_the_table_puts_defence_off_beside_on_with_the_backdoors_success() -> No
 
 def test_the_default_defence_rejects_and_refills_for_the_methods_whose_models_persist() -> None:
     for strategy in ("fedmr", "fedcross", "fedcross_async", "indep"):
-        assert faults.default_defence(strategy) == (*faults.DEFENCE, *faults.PER_MODEL)
+        assert faults.default_defence(strategy) == ("strategy.defence.sign_screen=0.5", "strategy.defence.adaptive_clip=2.0",
+                                                    "strategy.defence.adaptive_clip_to=median", *faults.PER_MODEL)
     for strategy in ("fedavg", "fedexp", "scaffold", "fedmut"):
         assert faults.default_defence(strategy) == faults.DEFENCE
     # every method it names accepts the settings it adds
     for option in faults.PER_MODEL_METHODS:
-        assert compose([f"strategy={option}", *faults.DEFENCE, *faults.PER_MODEL]).strategy.option == option
+        assert compose([f"strategy={option}", *faults.default_defence(option)]).strategy.option == option
 
 
 def test_the_seeds_table_pairs_each_attack_with_the_clean_run_of_its_own_seed(tmp_path: Path) -> None:
