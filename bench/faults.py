@@ -49,9 +49,9 @@ bench/results/faults.json and prints a markdown table.
 run of its own seed and prints the gap in points, averaged over the seeds the files hold: one
 8-round run moves by several points from seed to seed, the pairs by less. A second table takes
 the defended free-rider run as the reference instead: the federation without the hostile nodes'
-updates, which is where a defence that rejects them ends (the data they hold is lost with them). ``--clean-only`` runs
-the clean experiment alone, the defence off and on (the reference of a seed whose attack runs
-were defended only). ``--screen-stats`` records what the screens measured of each update (cosine
+updates, which is where a defence that rejects them ends (the data they hold is lost with
+them). ``--clean-only`` runs the clean experiment alone, the defence off and on (the reference
+of a seed whose attack runs were defended only). ``--screen-stats`` records what the screens measured of each update (cosine
 and sign agreement to the round's median update, norm ratio to the median norm), with the
 partition that sent it, and prints per experiment the honest updates' worst and median score,
 the hostile ones' range and the rounds in which every hostile update scored worse than every
