@@ -28,8 +28,11 @@ both use every core, which is what a user of either gets; ``--client-cpus <cores
 cores), so the ratio is the pure overhead of the simulation. The ratio column is always
 relative to the first ``--threads`` value.
 
-Every measurement runs in a fresh subprocess (nothing cached between them). Prints a table and
-writes bench/results/e2e_overhead.json.
+Every measurement runs in a fresh subprocess (nothing cached between them); with ``--repeats`` a
+strategy's runners take turns (plain, app, plain, app, ...), and the whole-process table divides
+each app run by the plain loop's run beside it (the median and range of these ratios hold when
+the machine's speed drifts during the bench). The app's runs end their process as ``fedmm`` does
+(``launch.cli.end_of_process``). Prints a table and writes bench/results/e2e_overhead.json.
 """
 
 from __future__ import annotations
@@ -620,21 +623,45 @@ def run_child(kind: str, spec: dict[str, Any], workdir: Path, verbose: bool, rep
     """Run one measurement in a fresh interpreter (``repeats`` times, each in its own fresh
     interpreter and folder); return the first run's result dict with every run's whole-process
     phases and their medians (``phases_median``)."""
+    return run_children([(kind, spec, workdir)], verbose, repeats)[0]
+
+
+def run_children(jobs: list[tuple[str, dict[str, Any], Path]], verbose: bool, repeats: int = 1) -> list[dict[str, Any]]:
+    """Run each ``(kind, spec, workdir)`` measurement ``repeats`` times, interleaved: the first run
+    of every job, then the second of every job, and so on, so that a drift of the machine's speed
+    during the bench falls on every runner alike and run i of one job can be paired with run i of
+    another (:func:`paired_ratio`). Return one result per job, as :func:`run_child` does."""
     import statistics
 
-    runs = []
+    runs: list[list[dict[str, Any]]] = [[] for _ in jobs]
     for index in range(repeats):
-        sub = workdir if index == 0 else workdir / f"repeat{index}"
-        one = dict(spec)
-        if index and "cfg" in one and one["cfg"].get("output_dir"):
-            one["cfg"] = dict(one["cfg"], output_dir=str(sub / "run"))
-        runs.append(_run_child_once(kind, one, sub, verbose))
-    result = runs[0]
-    rounds = int(spec["cfg"]["num_rounds"])
-    result["phases_runs"] = [phases(r["marks"], rounds) for r in runs]
-    result["phases_median"] = {key: statistics.median(p[key] for p in result["phases_runs"])
-                               for key in result["phases_runs"][0]}
-    return result
+        for position, (kind, spec, workdir) in enumerate(jobs):
+            sub = workdir if index == 0 else workdir / f"repeat{index}"
+            one = dict(spec)
+            if index and "cfg" in one and one["cfg"].get("output_dir"):
+                one["cfg"] = dict(one["cfg"], output_dir=str(sub / "run"))
+            runs[position].append(_run_child_once(kind, one, sub, verbose))
+    results = []
+    for (_, spec, _), job_runs in zip(jobs, runs):
+        result = job_runs[0]
+        rounds = int(spec["cfg"]["num_rounds"])
+        result["phases_runs"] = [phases(r["marks"], rounds) for r in job_runs]
+        result["phases_median"] = {key: statistics.median(p[key] for p in result["phases_runs"])
+                                   for key in result["phases_runs"][0]}
+        results.append(result)
+    return results
+
+
+def paired_ratio(row: dict[str, Any], reference: dict[str, Any], key: str = "process") -> dict[str, float] | None:
+    """Run i of ``row`` over run i of ``reference`` (interleaved runs, :func:`run_children`):
+    the median, least and largest of these ratios; None without two runs of each."""
+    import statistics
+
+    mine, theirs = row.get("phases_runs") or [], reference.get("phases_runs") or []
+    if min(len(mine), len(theirs)) < 2:
+        return None
+    ratios = [a[key] / b[key] for a, b in zip(mine, theirs)]
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "pairs": len(ratios)}
 
 
 def _run_child_once(kind: str, spec: dict[str, Any], workdir: Path, verbose: bool) -> dict[str, Any]:
@@ -701,7 +728,8 @@ def main() -> None:
     parser.add_argument("--workdir", default=None, help="where runs and logs go (default: a new temporary folder)")
     parser.add_argument("--verbose", action="store_true", help="show the children's output")
     parser.add_argument("--repeats", type=int, default=1,
-                        help="runs of each measurement, each a fresh process; the whole-process table gives medians")
+                        help="runs of each measurement, each a fresh process, a strategy's runners taking turns (A B A B ...); "
+                             "the whole-process table gives medians and run-by-run ratios to the plain loop")
     parser.add_argument("--out", default=None,
                         help="default: bench/results/e2e_overhead.json (default workload), e2e_overhead_<workload>.json")
     parser.add_argument("--child", nargs=2, metavar=("KIND", "DIR"), help=argparse.SUPPRESS)
@@ -713,6 +741,10 @@ def main() -> None:
         result = {"flower": child_flower, "plain": child_plain, "anchor": child_anchor}[kind](spec)
         result["marks"] = dict(MARKS)
         (Path(workdir) / "result.json").write_text(json.dumps(result))
+        if kind == "flower":  # the app's runs end as `fedmm` ends its process
+            from launch.cli import end_of_process
+
+            end_of_process()
         return
 
     workload = WORKLOADS[args.workload]
@@ -754,11 +786,30 @@ def main() -> None:
               f"{row['final_accuracy']:>10.4f}{delta:>9}{diff:>10}", flush=True)
 
     for strategy in args.strategies:
-        plain_rows: list[dict[str, Any]] = []
+        # Every runner of this strategy, run interleaved (run_children): plain loops, in process, on Ray.
+        jobs: list[tuple[str, dict[str, Any], Path]] = []
+        plain_cfgs, local_cfgs, flower_cfgs = [], [], []
         for threads in args.threads if "plain" in args.runners else []:
             cfg = compose_cfg(args, strategy, args.client_cpus[0], workdir / strategy / f"plain-t{threads}")
-            res = run_child("plain", {"cfg": cfg, "threads": threads}, workdir / strategy / f"plain-t{threads}", args.verbose,
-                            args.repeats)
+            plain_cfgs.append((threads, cfg))
+            jobs.append(("plain", {"cfg": cfg, "threads": threads}, workdir / strategy / f"plain-t{threads}"))
+        for runner, vectorize, label in (("local", "off", "this app, in-process"),
+                                         ("vectorized", "on", "this app, in-process, vectorized")):
+            if runner in args.runners:
+                cfg = compose_cfg(args, strategy, None, workdir / strategy / runner / "run", engine="local", vectorize=vectorize)
+                local_cfgs.append((label, cfg))
+                jobs.append(("flower", {"cfg": cfg, "parallel": 1}, workdir / strategy / runner))
+        for client_cpus in args.client_cpus if "flower" in args.runners else []:
+            tag = f"flower-c{client_cpus:g}"
+            cfg = compose_cfg(args, strategy, client_cpus, workdir / strategy / tag / "run")
+            parallel = max(1, int(cores // client_cpus))
+            flower_cfgs.append((client_cpus, parallel, cfg))
+            jobs.append(("flower", {"cfg": cfg, "parallel": parallel}, workdir / strategy / tag))
+        results = iter(run_children(jobs, args.verbose, args.repeats))
+
+        plain_rows: list[dict[str, Any]] = []
+        for threads, cfg in plain_cfgs:
+            res = next(results)
             # The plain loop has the server step of FedAvg, FedMR and FedCross; for any other method
             # it does the same client work with FedAvg's server step (so no accuracy comparison).
             # Likewise it samples clients uniformly: a run with another selector (CluSamp) is compared
@@ -771,12 +822,8 @@ def main() -> None:
                                    local_epochs=cfg["training"]["local_epochs"], model=cfg["model"]["name"]))
         reference = plain_rows[0] if plain_rows else None
         flower_rows: list[dict[str, Any]] = []
-        for runner, vectorize, label in (("local", "off", "this app, in-process"),
-                                         ("vectorized", "on", "this app, in-process, vectorized")):
-            if runner not in args.runners:
-                continue
-            cfg = compose_cfg(args, strategy, None, workdir / strategy / runner / "run", engine="local", vectorize=vectorize)
-            res = run_child("flower", {"cfg": cfg, "parallel": 1}, workdir / strategy / runner, args.verbose, args.repeats)
+        for label, cfg in local_cfgs:
+            res = next(results)
             row = dict(res, strategy=strategy, runner=label, parallel=1, threads=cores, client_cpus=None)
             match = next((p for p in plain_rows if p["threads"] == cores), reference)
             if match is not None and match["runner"] == "plain loop":
@@ -784,11 +831,8 @@ def main() -> None:
                            delta_accuracy=res["accuracy"][args.rounds] - match["accuracy"][args.rounds],
                            max_weight_diff=max_weight_diff(res["final_model"], match["final_model"]))
             flower_rows.append(row)
-        for client_cpus in args.client_cpus if "flower" in args.runners else []:
-            tag = f"flower-c{client_cpus:g}"
-            cfg = compose_cfg(args, strategy, client_cpus, workdir / strategy / tag / "run")
-            parallel = max(1, int(cores // client_cpus))
-            res = run_child("flower", {"cfg": cfg, "parallel": parallel}, workdir / strategy / tag, args.verbose, args.repeats)
+        for client_cpus, parallel, cfg in flower_cfgs:
+            res = next(results)
             threads = max(1, int(client_cpus))
             row = dict(res, strategy=strategy, runner=f"this app, Ray, client_cpus={client_cpus:g}",
                        parallel=parallel, threads=threads, client_cpus=client_cpus)
@@ -834,16 +878,23 @@ def main() -> None:
     print(f"\nWhole process, spawn to exit, median of {args.repeats} run(s) each (seconds):", flush=True)
     keys = ["process", "startup", "imports", "ray_init", "to_server_main", "server_setup", "round_1", "rounds_2_to_last",
             "after_last_round"]
-    print(f"{'strategy':<10}{'runner':<36}{'vs plain':>9}{'vs Flower':>10}" + "".join(f"{k:>17}" for k in keys), flush=True)
+    print(f"{'strategy':<10}{'runner':<36}{'vs plain':>9}{'paired (min–max)':>22}{'vs Flower':>10}"
+          + "".join(f"{k:>17}" for k in keys), flush=True)
     for row in rows:
         med = row.get("phases_median") or {}
         plain = next((r for r in rows if r["strategy"] == row["strategy"] and r["runner"].startswith("plain")), None)
         flower = next((r for r in rows if r["runner"].startswith("Flower FedAvg")), None)
         row["process_vs_plain"] = med["process"] / plain["phases_median"]["process"] if plain else None
         row["process_vs_anchor"] = med["process"] / flower["phases_median"]["process"] if flower else None
+        row["process_vs_plain_paired"] = paired_ratio(row, plain) if plain and plain is not row else None
         ratio = lambda v: f"{v:.2f}" if v is not None else "—"  # noqa: E731
-        print(f"{row['strategy']:<10}{row['runner']:<36}{ratio(row['process_vs_plain']):>9}{ratio(row['process_vs_anchor']):>10}"
+        pair = row["process_vs_plain_paired"]
+        paired = f"{pair['median']:.3f} ({pair['min']:.3f}–{pair['max']:.3f})" if pair else "—"
+        print(f"{row['strategy']:<10}{row['runner']:<36}{ratio(row['process_vs_plain']):>9}{paired:>22}"
+              f"{ratio(row['process_vs_anchor']):>10}"
               + "".join(f"{med[k]:>17.2f}" if k in med else f"{'—':>17}" for k in keys), flush=True)
+    print("paired: run i's whole process / the plain loop's run i (the runners of a strategy run interleaved), median "
+          "and range over the pairs.")
     print("vs plain: seconds per round / those of the plain loop with the first --threads value; vs Flower: / those of "
           "Flower's built-in FedAvg with a minimal ClientApp (same clients, same work); Δacc and max|Δw|: final "
           "accuracy and largest weight difference of the final global model against the plain loop with the same "

@@ -17,6 +17,7 @@ This module is the composition root: the only place that imports both apps. Noth
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import logging
 import math
@@ -562,9 +563,21 @@ def main() -> None:
     except KeyboardInterrupt:
         print("fedmm: interrupted; the run directory holds a checkpoint: continue with fedmm resume=<run dir>", flush=True)
         raise SystemExit(130) from None
+    end_of_process()
     if FAILED_JOBS:
         report_failed_jobs(sys.stdout)
         raise SystemExit(1)
+
+
+def end_of_process() -> None:
+    """What the process does between its last job and its exit: every object it holds goes into
+    the garbage collector's permanent generation (``gc.freeze``), so that Python's finalization
+    does not traverse and free the run's half a million objects (torch, Flower, the datasets)
+    one by one: 1.1 s of a 2-round run's exit on 2 cores, for memory the operating system takes
+    back at exit anyway. Nothing is lost: every file the run writes is closed when its job ends,
+    and the ``atexit`` handlers (logging's, Ray's, the trackers') still run. Called by
+    :func:`main` only, which the process leaves right after."""
+    gc.freeze()
 
 
 def report_failed_jobs(out: Any) -> None:

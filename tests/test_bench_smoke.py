@@ -95,3 +95,35 @@ def test_the_vectorized_throughput_bench_trains_both_paths_to_the_same_weights(t
     (row,) = json.loads(out.read_text())["rows"]
     assert row["clients"] == 3 and row["sequential_clients_per_s"] > 0 and row["vectorized_clients_per_s"] > 0
     assert row["max_weight_diff"] < 1e-5  # the same training, one computation
+
+
+def test_the_runners_of_a_strategy_run_interleaved_and_pair_run_by_run(tmp_path: Path, monkeypatch) -> None:
+    """bench/e2e_overhead.py: with --repeats the runners take turns (A B A B ...), so a drift
+    of the machine's speed falls on both, and run i of one is divided by run i of the other."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("e2e_overhead", ROOT / "bench" / "e2e_overhead.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    order: list[tuple[str, str]] = []
+    clock = iter(range(100))
+
+    def once(kind: str, spec: dict, workdir: Path, verbose: bool) -> dict:
+        order.append((kind, workdir.name))
+        start = 10.0 * next(clock)
+        process = {"plain": 10.0, "flower": 11.0}[kind] * (1 + len(order) / 10)  # the machine slows down
+        marks = {"spawn": start, "imports": start + 1, "strategy_start": start + 2, "round_1_end": start + 3,
+                 "round_2_end": start + 4, "exit": start + process}
+        return {"marks": marks, "seconds": {}, "accuracy": {}}
+
+    monkeypatch.setattr(bench, "_run_child_once", once)
+    cfg = {"num_rounds": 2}
+    plain, app = bench.run_children([("plain", {"cfg": cfg}, tmp_path / "plain"), ("flower", {"cfg": cfg}, tmp_path / "app")],
+                                    verbose=False, repeats=3)
+    assert order == [("plain", "plain"), ("flower", "app"), ("plain", "repeat1"), ("flower", "repeat1"),
+                     ("plain", "repeat2"), ("flower", "repeat2")]
+    pair = bench.paired_ratio(app, plain)
+    ratios = [11.0 * (1 + (2 * i + 2) / 10) / (10.0 * (1 + (2 * i + 1) / 10)) for i in range(3)]
+    assert pair["pairs"] == 3 and pair["median"] == pytest.approx(sorted(ratios)[1])
+    assert pair["min"] == pytest.approx(min(ratios)) and pair["max"] == pytest.approx(max(ratios))
+    assert bench.paired_ratio(app, {"phases_runs": plain["phases_runs"][:1]}) is None

@@ -201,6 +201,44 @@ def test_the_failed_jobs_report_is_one_write(monkeypatch: pytest.MonkeyPatch) ->
     assert writes == ["fedmm: 2 job(s) failed:\n  /r/1_a: config error: x\n  /r/2_b: missing: y\n"]
 
 
+def test_fedmm_freezes_the_collector_only_after_its_jobs_and_not_when_interrupted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``main`` ends the process: once every job has ended (and closed its files), the garbage
+    collector's last passes over the run's objects are left out (``end_of_process``); never
+    before a job ends, and not on the interrupted path."""
+    import launch.cli as cli
+
+    events: list[str] = []
+    monkeypatch.setattr("fedmm.interrupt.install_signal_handlers", lambda: None)
+    monkeypatch.setattr(cli.config_mod, "register_defaults", lambda: None)
+    monkeypatch.setattr(cli, "end_of_process", lambda: events.append("freeze"))
+    monkeypatch.setattr(cli, "FAILED_JOBS", [])
+    monkeypatch.setattr(cli, "_hydra_main", lambda: events.append("jobs"))
+    cli.main()
+    assert events == ["jobs", "freeze"]
+
+    def interrupted() -> None:
+        events.append("jobs")
+        raise KeyboardInterrupt
+
+    events.clear()
+    monkeypatch.setattr(cli, "_hydra_main", interrupted)
+    with pytest.raises(SystemExit) as stop:
+        cli.main()
+    assert stop.value.code == 130 and events == ["jobs"]
+
+
+def test_the_end_of_process_freezes_every_object_it_holds() -> None:
+    import gc
+
+    import launch.cli as cli
+
+    try:
+        cli.end_of_process()
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+
+
 @pytest.mark.parametrize("key", ["output_dir", "results_root"])
 def test_fedmm_refuses_the_flwr_run_folder_keys_it_would_ignore(tmp_path: Path, key: str) -> None:
     """``fedmm`` writes into hydra's job folder; ``output_dir`` / ``results_root`` (read by ``flwr
