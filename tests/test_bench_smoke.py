@@ -97,6 +97,17 @@ def test_the_vectorized_throughput_bench_trains_both_paths_to_the_same_weights(t
     assert row["max_weight_diff"] < 1e-5  # the same training, one computation
 
 
+def test_the_vmap_convolution_bench_trains_the_own_batch_clients_as_the_sequential_loop(tmp_path: Path) -> None:
+    """bench/vmap_conv.py's own-batch vmap is the sequential loop's training (its figure is worth
+    reading only then); the shared-batch one is timed beside it."""
+    out = tmp_path / "vmap.json"
+    _run(["bench/vmap_conv.py", "--shapes", "mnist", "--clients", "3", "--batch-sizes", "4", "--steps", "2",
+          "--repeats", "1", "--unfold", "--out", str(out)])
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["clients"] == 3 and row["sequential_s"] > 0 and row["vmap_shared_batch_s"] > 0
+    assert row["own_batches_max_weight_diff"] < 1e-5 and row["unfolded_max_weight_diff"] < 1e-5
+
+
 def test_the_runners_of_a_strategy_run_interleaved_and_pair_run_by_run(tmp_path: Path, monkeypatch) -> None:
     """bench/e2e_overhead.py: with --repeats the runners take turns (A B A B ...), so a drift
     of the machine's speed falls on both, and run i of one is divided by run i of the other."""
