@@ -90,6 +90,44 @@ def status_kib(field: str, pid: int | str = "self") -> int | None:
     return None
 
 
+def malloc_bytes() -> dict[str, int] | None:
+    """This process's C allocator, from glibc's ``mallinfo2`` (every arena): ``in_use`` (bytes
+    handed out and not freed, mmapped blocks included) and ``kept`` (freed bytes the allocator
+    holds in its arenas). None where there is no glibc 2.33 or later."""
+    global _MALLINFO2
+    if _MALLINFO2 is None:
+        try:
+            import ctypes
+
+            class MallInfo2(ctypes.Structure):
+                _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                             "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+            fn = ctypes.CDLL("libc.so.6").mallinfo2
+            fn.restype = MallInfo2
+            _MALLINFO2 = fn
+        except (OSError, AttributeError):
+            _MALLINFO2 = False
+    if not _MALLINFO2:
+        return None
+    info = _MALLINFO2()
+    return {"in_use": int(info.uordblks + info.hblkhd), "kept": int(info.fordblks)}
+
+
+_MALLINFO2: Any = None
+
+
+def memory_parts() -> dict[str, int]:
+    """This process's resident set in parts: ``anon`` (its own memory), ``file`` (pages of files
+    it maps: shared libraries' code, memory-mapped data), ``shmem`` (shared memory: Ray's object
+    store); and, from the C allocator, ``malloc_in_use`` and ``malloc_kept`` (:func:`malloc_bytes`)."""
+    parts = {"anon": status_kib("RssAnon") or 0, "file": status_kib("RssFile") or 0, "shmem": status_kib("RssShmem") or 0}
+    heap = malloc_bytes()
+    if heap is not None:
+        parts.update(malloc_in_use=heap["in_use"], malloc_kept=heap["kept"])
+    return parts
+
+
 def mem_total() -> int:
     """Physical memory of the machine, in bytes (0 when unknown)."""
     try:
@@ -157,6 +195,9 @@ class Holdings:
         self.grids: list[Any] = []
         #: The updates ``aggregate`` is working on (the strategy hands them over from its own list).
         self.aggregating: list[Any] = []
+        #: The server's resident set and its parts when round 1 is configured (after the round-0
+        #: evaluation), taken in the server's own thread: the baseline "above round 0" is measured from.
+        self.round0: tuple[int, dict[str, int]] | None = None
 
     @staticmethod
     def _arrays_bytes(models: list[Any], seen: set[int]) -> int:
@@ -235,6 +276,16 @@ def watch_holdings(holdings: Holdings, ray_engine: bool = True) -> None:
                 holdings.aggregating = []
 
         strategy.aggregate = aggregate_and_watch
+        configure_train = getattr(strategy, "configure_train", None)
+        if configure_train is None:  # not a round-loop strategy: round 0 from the metrics file
+            return strategy
+
+        def configure_train_and_watch(*args: Any, **kwargs: Any) -> Any:
+            if holdings.round0 is None:
+                holdings.round0 = (rss_bytes(), memory_parts())
+            return configure_train(*args, **kwargs)
+
+        strategy.configure_train = configure_train_and_watch
         return strategy
 
     if runner is not None:
@@ -280,6 +331,7 @@ class TreeSampler(threading.Thread):
         self.holdings = holdings
         self.peak_app = self.peak_store = 0
         self.at_server_peak: dict[str, int] = {}
+        self.at_live_peak: dict[str, int] = {}
         self.server_rss_r0_parts: dict[str, int] | None = None
         self.interval = interval
         self.metrics_file = metrics_file
@@ -326,11 +378,13 @@ class TreeSampler(threading.Thread):
         self.peak_processes = max(self.peak_processes, len(pids))
         server = rss_bytes(self.root)
         self.server_peak = max(self.server_peak, server)
+        if self.server_rss_r0 is None and self.holdings is not None and self.holdings.round0 is not None:
+            self.server_rss_r0, self.server_rss_r0_parts = self.holdings.round0
         if self.server_rss_r0 is None:
             try:
                 if self.metrics_file.stat().st_size > 0:  # round 0 is evaluated
                     self.server_rss_r0 = server
-                    self.server_rss_r0_parts = {"anon": status_kib("RssAnon") or 0, "shmem": status_kib("RssShmem") or 0}
+                    self.server_rss_r0_parts = memory_parts()
             except OSError:
                 pass
         else:
@@ -340,13 +394,59 @@ class TreeSampler(threading.Thread):
             if server >= self.server_peak_after_r0:
                 # RssAnon: the process's own heap; RssShmem: shared memory it maps (Ray's object
                 # store, /dev/shm), counted in its RSS for the pages it touched
-                self.at_server_peak = {"rss": server, "app": app, "store": store,
-                                       "anon": status_kib("RssAnon") or 0, "shmem": status_kib("RssShmem") or 0}
+                self.at_server_peak = {"rss": server, "app": app, "store": store, **memory_parts()}
             self.server_peak_after_r0 = max(self.server_peak_after_r0, server)
+            heap = malloc_bytes()
+            if heap is not None and heap["in_use"] >= self.at_live_peak.get("malloc_in_use", 0):
+                # the most the C allocator held live at once: who held it
+                self.at_live_peak = {"malloc_in_use": heap["in_use"], "app": app, "store": store, "where": self.main_stack()}
+
+    def main_stack(self, depth: int = 6) -> str:
+        """Where the server's main thread is now: its innermost frames of the app's own code."""
+        import sys as _sys
+        import traceback
+
+        frame = _sys._current_frames().get(threading.main_thread().ident)
+        if frame is None:
+            return ""
+        root = str(Path(__file__).resolve().parent.parent)
+        own = [f for f in traceback.extract_stack(frame) if f.filename.startswith(root) and "/.venv/" not in f.filename
+               and not f.filename.endswith("scale.py")]
+        return " < ".join(f"{Path(f.filename).relative_to(root)}:{f.lineno} {f.name}" for f in reversed(own[-depth:]))
 
     def top(self, count: int = 8) -> list[dict[str, Any]]:
         rows = sorted(self.per_process.values(), key=lambda e: -e["peak_rss"])[:count]
         return [{"name": e["name"], "peak_rss_mib": e["peak_rss"] / MIB} for e in rows]
+
+
+def rest_parts(sampler: TreeSampler, above: int, model_bytes: int) -> dict[str, float]:
+    """The rest at the server's peak (above round 0, less the strategy's arrays and the engine's
+    messages) split by :func:`memory_parts`, in model sizes; {} without glibc's ``mallinfo2``."""
+    peak, r0 = sampler.at_server_peak, sampler.server_rss_r0_parts or {}
+    if "malloc_in_use" not in peak or "malloc_in_use" not in r0:
+        return {}
+    delta = {key: peak[key] - r0.get(key, 0) for key in ("anon", "file", "shmem", "malloc_in_use", "malloc_kept")}
+    held = peak.get("app", 0) + peak.get("store", 0)
+    return {
+        "rest_malloc_kept_models": delta["malloc_kept"] / model_bytes,
+        "rest_file_pages_models": delta["file"] / model_bytes,
+        "rest_outside_malloc_models": (delta["anon"] - delta["malloc_in_use"] - delta["malloc_kept"]) / model_bytes,
+        "rest_live_unheld_models": (delta["malloc_in_use"] - held) / model_bytes,
+        "rest_shmem_models": delta["shmem"] / model_bytes,
+    }
+
+
+def live_peak_parts(sampler: TreeSampler, model_bytes: int) -> dict[str, float]:
+    """The most the C allocator held live at once after round 0 (above its round-0 level), and who
+    held it then: the strategy's arrays, the engine's messages, and the other live allocations;
+    in model sizes. {} without glibc's ``mallinfo2``."""
+    peak, r0 = sampler.at_live_peak, sampler.server_rss_r0_parts or {}
+    if "malloc_in_use" not in peak or "malloc_in_use" not in r0:
+        return {}
+    above = peak["malloc_in_use"] - r0["malloc_in_use"]
+    return {"live_peak_above_r0_models": above / model_bytes, "live_peak_app_models": peak["app"] / model_bytes,
+            "live_peak_store_models": peak["store"] / model_bytes,
+            "live_peak_other_models": (above - peak["app"] - peak["store"]) / model_bytes, "live_peak_where": peak.get("where", "")}
 
 
 # --------------------------------------------------------------------------- one run
@@ -427,6 +527,13 @@ def child_scale(spec: dict[str, Any]) -> dict[str, Any]:
                                                 - (sampler.server_rss_r0_parts or {}).get("anon", 0)) / model_bytes,
         "at_server_peak_shmem_above_r0_models": (sampler.at_server_peak.get("shmem", 0)
                                                  - (sampler.server_rss_r0_parts or {}).get("shmem", 0)) / model_bytes,
+        # the rest (neither the strategy's nor the engine's messages) in parts, each above round 0:
+        # the allocator's freed bytes it keeps, the pages of mapped files, the process's memory outside
+        # the C allocator (Python's small-object arenas, thread stacks), and what is left: live C
+        # allocations no one above holds (the clients' training and the central evaluation in process:
+        # torch's tensors; numpy temporaries; Python objects of 512 bytes or more)
+        **rest_parts(sampler, above, model_bytes),
+        **live_peak_parts(sampler, model_bytes),
         "tree_peak_rss_sum_mib": sampler.peak_rss_sum / MIB,
         "tree_peak_pss_sum_mib": sampler.peak_pss_sum / MIB if sampler.pss_available else None,
         "tree_peak_processes": sampler.peak_processes,
@@ -539,6 +646,15 @@ def main() -> None:
               f"peak: strategy {row['app_peak_models']:.1f}, store {row['store_peak_models']:.1f}); above round 0 at that "
               f"peak: heap {row['at_server_peak_anon_above_r0_models']:.1f}, shared memory (Ray's object store) "
               f"{row['at_server_peak_shmem_above_r0_models']:.1f}", flush=True)
+        if "live_peak_above_r0_models" in row:
+            print(f"{'':<10}the most held live at once (C allocator, above round 0): {row['live_peak_above_r0_models']:.1f} = "
+                  f"strategy {row['live_peak_app_models']:.1f} + the engine's messages {row['live_peak_store_models']:.1f} + "
+                  f"other {row['live_peak_other_models']:.1f}; the server then at {row['live_peak_where']}", flush=True)
+        if "rest_live_unheld_models" in row:
+            print(f"{'':<10}the rest at that peak: live allocations no one above holds {row['rest_live_unheld_models']:.1f}, "
+                  f"freed and kept by the allocator {row['rest_malloc_kept_models']:.1f}, pages of mapped files "
+                  f"{row['rest_file_pages_models']:.1f}, outside the allocator {row['rest_outside_malloc_models']:.1f}, shared "
+                  f"memory {row['rest_shmem_models']:.1f}", flush=True)
         top = ", ".join(f"{p['name']} {p['peak_rss_mib']:.0f}" for p in row["top_processes"][:6])
         print(f"{'':<10}largest processes (peak RSS MiB): {top}", flush=True)
     print("server r0: server RSS at the round-0 evaluation; peak: its largest sampled RSS after that; copies: (peak - r0) / "

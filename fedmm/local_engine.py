@@ -468,10 +468,16 @@ class LocalGrid(Grid):
         finally:
             self._client_random = RandomStates.capture()
             server_random.restore()
-        for index, (pending, metadata, delivered) in enumerate(taken):
+        for index in range(len(taken)):
+            # each message's records are released as soon as its reply is made (the others' still
+            # wait): one at a time, the round holds one message's arrays, not all of them
+            pending, metadata, delivered = taken[index]
+            taken[index] = None  # type: ignore[call-overload]
             if outs is None or outs[index] is None:  # one at a time, through the ClientApp, with its own copy
                 try:
-                    reply = self._handle(metadata, _with_metadata(metadata, detached(delivered.content, copy_bytes=True)))
+                    own = _with_metadata(metadata, detached(delivered.content, copy_bytes=True))
+                    del delivered
+                    reply = self._handle(metadata, own)
                 except Exception as err:  # noqa: BLE001 - the engine's own failure: the node's error reply
                     reply = _error_reply(metadata, ErrorCode.UNKNOWN, raised_reason(err))
             elif isinstance(outs[index], BaseException):

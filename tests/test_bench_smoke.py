@@ -138,3 +138,31 @@ def test_the_runners_of_a_strategy_run_interleaved_and_pair_run_by_run(tmp_path:
     assert pair["pairs"] == 3 and pair["median"] == pytest.approx(sorted(ratios)[1])
     assert pair["min"] == pytest.approx(min(ratios)) and pair["max"] == pytest.approx(max(ratios))
     assert bench.paired_ratio(app, {"phases_runs": plain["phases_runs"][:1]}) is None
+
+
+def test_the_scale_bench_splits_the_rest_by_the_allocator_and_the_mapped_files() -> None:
+    """bench/scale.py: the rest above round 0 (neither the strategy's arrays nor the engine's
+    messages) in parts that add up to it: the allocator's freed bytes it keeps, mapped files'
+    pages, memory outside the allocator, live allocations no one above holds; and the most the
+    allocator held live at once, split by who held it."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    spec = importlib.util.spec_from_file_location("scale_bench", ROOT / "bench" / "scale.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    r0 = {"anon": 1000, "file": 300, "shmem": 0, "malloc_in_use": 800, "malloc_kept": 50}
+    peak = {"rss": 2600, "app": 400, "store": 100, "anon": 2200, "file": 400, "shmem": 0, "malloc_in_use": 1500,
+            "malloc_kept": 550}
+    sampler = SimpleNamespace(at_server_peak=peak, server_rss_r0_parts=r0,
+                              at_live_peak={"malloc_in_use": 1800, "app": 500, "store": 200, "where": "x.py:1 f"})
+    above = (peak["anon"] + peak["file"]) - (r0["anon"] + r0["file"])  # 1,300 bytes above round 0
+    parts = bench.rest_parts(sampler, above, model_bytes=100)
+    assert parts == {"rest_malloc_kept_models": 5.0, "rest_file_pages_models": 1.0, "rest_outside_malloc_models": 0.0,
+                     "rest_live_unheld_models": 2.0, "rest_shmem_models": 0.0}
+    rest = (above - peak["app"] - peak["store"]) / 100
+    assert sum(v for k, v in parts.items()) == pytest.approx(rest)
+    live = bench.live_peak_parts(sampler, model_bytes=100)
+    assert live == {"live_peak_above_r0_models": 10.0, "live_peak_app_models": 5.0, "live_peak_store_models": 2.0,
+                    "live_peak_other_models": 3.0, "live_peak_where": "x.py:1 f"}
+    assert bench.rest_parts(SimpleNamespace(at_server_peak={"app": 1}, server_rss_r0_parts={}), 0, 100) == {}

@@ -267,6 +267,54 @@ def test_the_aliasing_check_fails_on_an_engine_that_shares_the_servers_records(s
     assert after != before
 
 
+@pytest.mark.parametrize("handler", [None, "each alone"])
+def test_the_grid_releases_each_delivered_message_once_its_reply_is_made(handler: str | None) -> None:
+    """A round of K train messages, each with its own 1 MiB model, delivered one after another or
+    handed to a batch handler that sends each back to the ClientApp ("each alone", as
+    ``simulation.vectorize=auto`` on a CPU): while the last client trains, the grid holds the
+    arrays of no message already answered (at most the one in hand and the client's copy), and
+    neither does the server once it has pushed them."""
+    import tracemalloc
+
+    k, size = 8, 1 << 20
+    seen: list[int] = []
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        seen.append(tracemalloc.get_traced_memory()[0])
+        return Message(RecordDict({"metrics": MetricRecord({"n": 1})}), reply_to=msg)
+
+    def main(grid: Grid) -> Any:
+        nodes = list(grid.get_node_ids())
+        tracemalloc.start()
+        try:
+            messages = [train_message(nodes[i], ArrayRecord({"w": protocol.encode_array(np.full(size // 4, i, np.float32))}),
+                                      round=1) for i in range(k)]
+            ids = grid.push_messages(messages)
+            del messages
+            replies = [m for m in grid.pull_messages(ids)]
+            while len(replies) < k:
+                replies += grid.pull_messages(set(ids) - {r.metadata.reply_to_message_id for r in replies})
+        finally:
+            tracemalloc.stop()
+        return replies
+
+    out: dict[str, Any] = {}
+    server = ServerApp()
+
+    @server.main()
+    def _main(grid: Grid, context: Context) -> None:
+        out["replies"] = main(grid)
+
+    run_local_simulation(server_app=server, client_app=app, num_supernodes=k,
+                         train_batch=None if handler is None else (lambda messages, contexts: None))
+    assert len(out["replies"]) == k and not any(r.has_error() for r in out["replies"])
+    # traced from the messages' making on: the K pushed records, released one by one as they are answered
+    assert seen[0] >= (k - 1) * size
+    assert seen[-1] < 3 * size, f"while the last client trains the grid holds {seen[-1] / size:.1f} MiB of arrays"
+
+
 def test_consuming_a_reply_leaves_what_the_client_kept_of_it() -> None:
     """The server pops the arrays of a reply as it decodes it; a ClientApp that keeps the record
     it replied with in its state (as MOON keeps its model) still has all of it."""
