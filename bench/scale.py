@@ -403,10 +403,9 @@ class TreeSampler(threading.Thread):
 
     def main_stack(self, depth: int = 6) -> str:
         """Where the server's main thread is now: its innermost frames of the app's own code."""
-        import sys as _sys
         import traceback
 
-        frame = _sys._current_frames().get(threading.main_thread().ident)
+        frame = sys._current_frames().get(threading.main_thread().ident)
         if frame is None:
             return ""
         root = str(Path(__file__).resolve().parent.parent)
@@ -419,7 +418,7 @@ class TreeSampler(threading.Thread):
         return [{"name": e["name"], "peak_rss_mib": e["peak_rss"] / MIB} for e in rows]
 
 
-def rest_parts(sampler: TreeSampler, above: int, model_bytes: int) -> dict[str, float]:
+def rest_parts(sampler: TreeSampler, model_bytes: int) -> dict[str, float]:
     """The rest at the server's peak (above round 0, less the strategy's arrays and the engine's
     messages) split by :func:`memory_parts`, in model sizes; {} without glibc's ``mallinfo2``."""
     peak, r0 = sampler.at_server_peak, sampler.server_rss_r0_parts or {}
@@ -532,7 +531,7 @@ def child_scale(spec: dict[str, Any]) -> dict[str, Any]:
         # the C allocator (Python's small-object arenas, thread stacks), and what is left: live C
         # allocations no one above holds (the clients' training and the central evaluation in process:
         # torch's tensors; numpy temporaries; Python objects of 512 bytes or more)
-        **rest_parts(sampler, above, model_bytes),
+        **rest_parts(sampler, model_bytes),
         **live_peak_parts(sampler, model_bytes),
         "tree_peak_rss_sum_mib": sampler.peak_rss_sum / MIB,
         "tree_peak_pss_sum_mib": sampler.peak_pss_sum / MIB if sampler.pss_available else None,

@@ -157,7 +157,7 @@ def test_the_scale_bench_splits_the_rest_by_the_allocator_and_the_mapped_files()
     sampler = SimpleNamespace(at_server_peak=peak, server_rss_r0_parts=r0,
                               at_live_peak={"malloc_in_use": 1800, "app": 500, "store": 200, "where": "x.py:1 f"})
     above = (peak["anon"] + peak["file"]) - (r0["anon"] + r0["file"])  # 1,300 bytes above round 0
-    parts = bench.rest_parts(sampler, above, model_bytes=100)
+    parts = bench.rest_parts(sampler, model_bytes=100)
     assert parts == {"rest_malloc_kept_models": 5.0, "rest_file_pages_models": 1.0, "rest_outside_malloc_models": 0.0,
                      "rest_live_unheld_models": 2.0, "rest_shmem_models": 0.0}
     rest = (above - peak["app"] - peak["store"]) / 100
@@ -165,4 +165,4 @@ def test_the_scale_bench_splits_the_rest_by_the_allocator_and_the_mapped_files()
     live = bench.live_peak_parts(sampler, model_bytes=100)
     assert live == {"live_peak_above_r0_models": 10.0, "live_peak_app_models": 5.0, "live_peak_store_models": 2.0,
                     "live_peak_other_models": 3.0, "live_peak_where": "x.py:1 f"}
-    assert bench.rest_parts(SimpleNamespace(at_server_peak={"app": 1}, server_rss_r0_parts={}), 0, 100) == {}
+    assert bench.rest_parts(SimpleNamespace(at_server_peak={"app": 1}, server_rss_r0_parts={}), 100) == {}
