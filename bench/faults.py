@@ -33,6 +33,10 @@ with ``--hostile 2``) are hostile:
   the bottom-right corner and labelled 0; the row's ``backdoor_success`` is the share of the
   test images of other labels that the final model puts in class 0 once stamped.
 
+Not an attack, and not run unless named (``--attacks absent``): ``absent``, the hostile nodes'
+ClientApps raise in every round, so the server gets no reply from them: the federation without
+those nodes, measured, with no update to reject (and, defended, what the stage does to the rest).
+
 Each attack once with the defences off and once on (``--defence``, by default the per-update
 stage ``screen=0``, ``sign_screen=0.5``, ``adaptive_clip=2`` with ``adaptive_clip_to=median``;
 for FedMR and FedCross (and their asynchronous versions) ``norm_screen=3`` and ``refill=median``
@@ -75,6 +79,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 FAULTS = ("fail30", "nan", "inf", "shape", "dtype", "count", "straggler")
 ATTACKS = ("scale", "flip", "freerider", "labelflip", "backdoor")
+#: ``--attacks absent``: the hostile nodes never answer (not among the attacks run by default).
+ABSENT = "absent"
 #: The defended rows' settings (--defence replaces them).
 DEFENCE = ("strategy.defence.screen=0.0", "strategy.defence.sign_screen=0.5", "strategy.defence.adaptive_clip=2.0",
            "strategy.defence.adaptive_clip_to=median")
@@ -169,6 +175,8 @@ def faulty_client_app():  # noqa: ANN201
         if fault == "straggler" and pid == 0:
             time.sleep(float(cfg["round_timeout"]) + 4)
         attack, hostile, _ = experiment(fault)
+        if attack == ABSENT and pid < hostile:
+            raise RuntimeError(f"partition {pid} is absent from this experiment")
         received = protocol.record_to_model(msg.content[protocol.ARRAYS], copy=True) if attack in ("scale", "flip", "freerider") else None
         reply = real.train(msg, context)
         if received is not None and pid < hostile:  # a hostile client: its update scaled (× 100), flipped (× −10) or none
@@ -460,8 +468,9 @@ def seeds_table(files: list[str], against: str = "clean") -> tuple[str, dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--strategies", nargs="+", default=["fedavg", "fedmr", "fedcross"])
-    parser.add_argument("--attacks", nargs="*", default=None, choices=ATTACKS,
-                        help=f"hostile clients, the defences off and on (no value: all of {', '.join(ATTACKS)})")
+    parser.add_argument("--attacks", nargs="*", default=None, choices=(*ATTACKS, ABSENT),
+                        help=f"hostile clients, the defences off and on (no value: all of {', '.join(ATTACKS)}; "
+                             f"{ABSENT}: the hostile nodes never answer)")
     parser.add_argument("--hostile", nargs="+", type=int, default=[1], help="--attacks: hostile nodes of 10 (one run each)")
     parser.add_argument("--rounds", type=int, default=20, help="--attacks: rounds per run")
     parser.add_argument("--set", nargs="*", default=[], help="--attacks: overrides of every run (e.g. training.local_epochs=1)")

@@ -121,3 +121,28 @@ def test_the_screen_recorder_names_each_updates_partition() -> None:
     (round_,) = recorder.of(fedavg)
     assert [u["partition"] for u in round_] == [3, 1, 0, 2] and [u["rejected"] for u in round_] == [False, False, True, False]
     assert round_[2]["cosine"] < 0 < round_[0]["cosine"] and round_[2]["norm_ratio"] > 3
+
+
+def test_absent_nodes_never_answer_and_the_others_train(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--attacks absent``: the hostile partitions' ClientApps raise in every round (the engine
+    makes that an error reply, so the server aggregates the others); every other node trains."""
+    from flwr.app import Context, RecordDict
+
+    from client_app import client_app as real
+    from fedmm import protocol
+
+    trained = []
+    monkeypatch.setattr(real, "train", lambda msg, context: trained.append(context.node_config["partition-id"]) or "reply")
+    app = faults.faulty_client_app()
+
+    def call(fault: str, partition: int):  # noqa: ANN202
+        msg = protocol.server_message(protocol.TRAIN, 1, {protocol.RUN_CONFIG: json.dumps({"output_dir": f"/tmp/runs/{fault}"})})
+        context = Context(run_id=1, node_id=1, node_config={"partition-id": partition}, state=RecordDict(), run_config={})
+        return app(msg, context)
+
+    for partition in (0, 1):
+        with pytest.raises(RuntimeError, match=f"partition {partition} is absent"):
+            call("absent-2+defence", partition)
+    assert call("absent-2", 2) == "reply" and call("absent-1", 1) == "reply" and call("clean", 0) == "reply"
+    assert trained == [2, 1, 0]
+    assert faults.ABSENT not in faults.ATTACKS  # run only when named
