@@ -446,7 +446,7 @@ def seeds_table(files: list[str], against: str = "clean") -> tuple[str, dict]:
 
     strategies = list(dict.fromkeys(s for s, _ in cells))
     columns = [c for c in dict.fromkeys(f.removesuffix("+defence") for _, f in cells if f.endswith("+defence"))
-               if c != "clean" and not (against == "absent" and c.startswith("freerider"))]
+               if c != "clean" and experiment(c)[0] != ABSENT and not (against == "absent" and c.startswith("freerider"))]
     summary = {strategy: {column: [100 * (float(np.mean(values)) - float(np.mean(ref)))
                                    for seed, values in sorted(cells.get((strategy, column + "+defence"), {}).items())
                                    if (ref := reference(strategy, column, seed))]

@@ -80,7 +80,8 @@ def test_the_seeds_table_pairs_each_attack_with_the_clean_run_of_its_own_seed(tm
     assert "| fedavg | -3.5 (-6.0 to -1.0) n=2 |" in text.splitlines()
     # against the run without the hostile node's update (its defended free rider), seed by seed
     files.append(write("e.json", 0, default, {"freerider-1+defence": 0.78, "labelflip-1+defence": 0.74}))
-    files.append(write("f.json", 1, default, {"freerider-1+defence": 0.50, "labelflip-1+defence": 0.53}))
+    files.append(write("f.json", 1, default, {"freerider-1+defence": 0.50, "labelflip-1+defence": 0.53,
+                                              "absent-1+defence": 0.51}))  # a reference run, never an attack column
     text, gaps = faults.seeds_table(files, "absent")
     assert {k: [round(g, 6) for g in v] for k, v in gaps["fedavg"].items()} == {"scale-1": [1.0, 5.0], "labelflip-1": [-4.0, 3.0]}
     assert text.splitlines()[0] == "| strategy | scale-1 | labelflip-1 |"  # the reference itself is no column
