@@ -59,7 +59,11 @@ of a seed whose attack runs were defended only). ``--screen-stats`` records what
 and sign agreement to the round's median update, norm ratio to the median norm), with the
 partition that sent it, and prints per experiment the honest updates' worst and median score,
 the hostile ones' range and the rounds in which every hostile update scored worse than every
-honest one: whether a screen could tell them apart at all.
+honest one: whether a screen could tell them apart at all. Beside them two scores no setting
+screens on: the output layer's agreement with the round's, class by class (``output_cosine``),
+and with ``--held-out`` the change each update makes to the loss on 50 test rows of each class
+(``held_out_loss_change``: what a server holding a small clean set, as in Zeno or FLTrust, would
+see).
 """
 
 from __future__ import annotations
@@ -208,19 +212,80 @@ def faulty_client_app():  # noqa: ANN201
     return app
 
 
+#: ``--screen-stats``: rows per class of the server-held balanced set whose loss each update moves.
+HELD_OUT_PER_CLASS = 50
+
+
+def output_cosines(updates, sent) -> np.ndarray | None:  # noqa: ANN001 - ClientUpdates and their sent models
+    """Each update's agreement, class by class, with the round's other updates on the output
+    layer (the last 2-D floating entry: one row per class): the cosine of its row-k update to the
+    round's coordinate-wise median row-k update, averaged over k weighted by its row's norm. A
+    client that trains on class c's images labelled c' moves row c' along class c's features.
+    None for a model without a 2-D entry."""
+    layers = [k for k, v in sent[0].items() if np.asarray(v).dtype.kind == "f" and np.asarray(v).ndim == 2]
+    if not layers:
+        return None
+    key = layers[-1]
+    rows = np.stack([np.asarray(u.model[key], np.float64) - np.asarray(m[key], np.float64) for u, m in zip(updates, sent)])
+    median = np.median(rows, axis=0)
+    norms = np.linalg.norm(rows, axis=2)  # [update, class]
+    scale = norms * np.linalg.norm(median, axis=1)[None]
+    cosines = np.divide((rows * median[None]).sum(axis=2), scale, out=np.zeros_like(scale), where=scale > 0)
+    total = norms.sum(axis=1)
+    return np.divide((cosines * norms).sum(axis=1), total, out=np.zeros_like(total), where=total > 0)
+
+
+def held_out_loss(cfg: dict):  # noqa: ANN201
+    """A function of a model: its cross-entropy on :data:`HELD_OUT_PER_CLASS` rows of each class
+    of ``cfg``'s test split (seeded; the set a server could hold to score updates, as Zeno and
+    FLTrust do; here it only measures, it decides nothing)."""
+    import torch
+
+    from fedmm.config import as_run
+    from fedmm.data import input_spec, load_dataset
+    from fedmm.models import build_model, model_options
+
+    run = as_run(cfg)
+    _, test = load_dataset(run.dataset)
+    labels = test.y.numpy()
+    rng = np.random.default_rng(0)
+    rows = np.concatenate([rng.choice(np.flatnonzero(labels == c), min(HELD_OUT_PER_CLASS, int((labels == c).sum())), replace=False)
+                           for c in np.unique(labels)])
+    x, y = test.transform.prepare("cpu")(test.x[rows]), test.y[rows]
+    net = build_model(run.model.name, input_spec(run.dataset), run.model.projection_dim, model_options(run.model)).eval()
+
+    def loss(model) -> float:  # noqa: ANN001 - a ModelDict
+        net.load_state_dict({k: torch.as_tensor(np.asarray(v)) for k, v in model.items()})
+        with torch.no_grad():
+            return float(torch.nn.functional.cross_entropy(net(x), y))
+
+    return loss
+
+
+#: The scores whose high end is the suspicious one.
+SUSPECT_HIGH = ("norm_ratio", "held_out_loss_change")
+
+
 class ScreenRecorder:
     """``--screen-stats``: what the defence stage's screens measured of each update, round by
     round, with the partition of the node that sent it (hostile: the experiment's first
-    partitions), from the verdict of :meth:`strategies.defence.Defence.screen_and_bound`."""
+    partitions), from the verdict of :meth:`strategies.defence.Defence.screen_and_bound`; and two
+    scores no screen uses, taken before the stage: :func:`output_cosines` and, with
+    ``held_out`` (``begin`` builds it from the experiment's config), the change in
+    :func:`held_out_loss` from the model each update was sent to the model it returned."""
 
-    def __init__(self) -> None:
+    def __init__(self, held_out: bool = False) -> None:
         self.partitions: dict[int, int] = {}
         self.rounds: dict[str, list[list[dict]]] = {}  # by the experiment's output folder
         self.experiment = ""
+        self.held_out = held_out
+        self.loss = None
 
     def begin(self, cfg: dict) -> None:
         """The rounds that follow are the experiment of ``cfg``'s."""
         self.experiment = str(cfg["output_dir"])
+        if self.held_out and self.loss is None:  # the experiments of one strategy share the data and the model
+            self.loss = held_out_loss(cfg)
 
     def of(self, cfg: dict) -> list[list[dict]]:
         """The rounds recorded for the experiment of ``cfg``."""
@@ -232,12 +297,16 @@ class ScreenRecorder:
         self.real = real = Defence.screen_and_bound
 
         def screen_and_bound(defence, updates, sent):  # noqa: ANN001, ANN202
+            cosines = output_cosines(updates, sent) if len(updates) >= 3 else None
+            extra = {} if cosines is None else {"output_cosine": cosines}
+            if extra and self.loss is not None:
+                extra["held_out_loss_change"] = np.array([self.loss(u.model) - self.loss(m) for u, m in zip(updates, sent)])
             verdict = real(defence, updates, sent)
             if verdict.scores:
                 rejected = {id(u) for u, _ in verdict.rejected}
                 self.rounds.setdefault(self.experiment, []).append([
                     {"partition": self.partitions.get(u.node_id, -1), "rejected": id(u) in rejected,
-                     **{name: float(values[i]) for name, values in verdict.scores.items()}}
+                     **{name: float(values[i]) for name, values in {**verdict.scores, **extra}.items()}}
                     for i, u in enumerate(updates)])
             return verdict
 
@@ -253,20 +322,21 @@ class ScreenRecorder:
 def screen_table(rows: list[dict]) -> str:
     """Markdown: per experiment with ``screen_stats`` and per score, the honest updates' lowest
     and median value, the hostile ones' range, and the rounds in which every hostile update
-    scored worse than every honest one (lower cosine or sign agreement, higher norm ratio)."""
+    scored worse than every honest one (lower cosine, sign agreement or output cosine, higher norm
+    ratio or held-out loss change)."""
     lines = ["| strategy | experiment | score | honest: worst, median | hostile: range | rounds apart |",
              "|---|---|---|---|---|---|"]
     for row in rows:
         rounds = row.get("screen_stats") or []
         hostile = experiment(row["fault"])[1] if row["fault"].split("+")[0] != "clean" else 0
-        for score in ("cosine", "sign_agreement", "norm_ratio"):
+        for score in ("cosine", "sign_agreement", "norm_ratio", "output_cosine", "held_out_loss_change"):
             per_round = [([u[score] for u in r if u["partition"] >= hostile], [u[score] for u in r if 0 <= u["partition"] < hostile])
                          for r in rounds if score in r[0]]
             if not per_round:
                 continue
             honest = [v for h, _ in per_round for v in h]
             bad = [v for _, b in per_round for v in b]
-            high = score == "norm_ratio"  # a high norm ratio is the suspicious end
+            high = score in SUSPECT_HIGH
             worst = max(honest) if high else min(honest)
             apart = sum(1 for h, b in per_round if b and (min(b) > max(h) if high else max(b) < min(h)))
             lines.append(f"| {row['strategy']} | {row['fault']} | {score} | {worst:.3f}, {float(np.median(honest)):.3f} | "
@@ -485,6 +555,8 @@ def main() -> None:
     parser.add_argument("--clean-only", action="store_true", help="--attacks: only the clean runs, the defence off and on")
     parser.add_argument("--screen-stats", action="store_true",
                         help="--attacks: record what the screens measured of each update, honest and hostile")
+    parser.add_argument("--held-out", action="store_true",
+                        help="--screen-stats: and each update's change in loss on a balanced set of test rows")
     parser.add_argument("--summarize", nargs="+", metavar="FILE", default=None,
                         help="no runs: each defended attack's gap to the clean run over the seeds of these --attacks files")
     args = parser.parse_args()
@@ -498,7 +570,7 @@ def main() -> None:
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     root = Path(tempfile.mkdtemp(prefix="fedmm-faults-"))
     defences = {strategy: tuple(args.defence) if args.defence else default_defence(strategy) for strategy in args.strategies}
-    recorder = ScreenRecorder() if args.screen_stats else None
+    recorder = ScreenRecorder(held_out=args.held_out) if args.screen_stats else None
     with recorder or contextlib.nullcontext():
         rows = [row for strategy in args.strategies
                 for row in run_strategy(strategy, root, attacks, tuple(args.hostile), defences[strategy], args.rounds,

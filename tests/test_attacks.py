@@ -100,6 +100,9 @@ def test_the_screen_table_says_where_hostile_updates_scored_worse_than_every_hon
     assert table[3] == "| fedavg | labelflip-1+defence | norm_ratio | 3.000, 2.500 | 1.000 to 1.000 | 0 of 2 |"  # high is suspect
     clean = faults.screen_table([{**rows[0], "fault": "clean+defence"}]).splitlines()
     assert clean[2] == "| fedavg | clean+defence | cosine | 0.100, 0.225 | – | – |"  # every node honest
+    rows[0]["screen_stats"] = [[{**u, "held_out_loss_change": u["norm_ratio"]} for u in r] for r in rows[0]["screen_stats"]]
+    assert faults.screen_table(rows).splitlines()[4] == ("| fedavg | labelflip-1+defence | held_out_loss_change | "
+                                                         "3.000, 2.500 | 1.000 to 1.000 | 0 of 2 |")  # high is suspect
 
 
 def test_the_screen_recorder_names_each_updates_partition() -> None:
@@ -122,6 +125,40 @@ def test_the_screen_recorder_names_each_updates_partition() -> None:
     (round_,) = recorder.of(fedavg)
     assert [u["partition"] for u in round_] == [3, 1, 0, 2] and [u["rejected"] for u in round_] == [False, False, True, False]
     assert round_[2]["cosine"] < 0 < round_[0]["cosine"] and round_[2]["norm_ratio"] > 3
+    assert "output_cosine" not in round_[0]  # a vector, no output layer (its own test below)
+
+
+def test_the_output_cosine_is_each_class_rows_agreement_weighted_by_the_rows_norm() -> None:
+    from fedmm.protocol import ClientUpdate
+
+    sent = {"conv": np.zeros((2, 1, 2, 2), np.float32), "out.weight": np.zeros((2, 2), np.float32),
+            "out.bias": np.zeros(2, np.float32), "steps": np.zeros((2, 2), np.int64)}
+    rows = [[[1, 0], [0, 1]], [[1, 0], [0, 1]], [[0, 2], [1, 1]]]  # the third: row 0 along feature 1, row 1 half-way
+    updates = [ClientUpdate(i, i, {**sent, "out.weight": np.array(r, np.float32)}, 10.0, {}) for i, r in enumerate(rows)]
+    # the median rows are [1, 0] and [0, 1]: the third's row cosines 0 (norm 2) and 1/sqrt(2) (norm sqrt(2))
+    expected = [1.0, 1.0, (np.sqrt(2) / np.sqrt(2)) / (2 + np.sqrt(2))]
+    assert faults.output_cosines(updates, [sent] * 3) == pytest.approx(expected)  # not the whole layer's 0.2887
+
+
+def test_the_held_out_loss_is_taken_on_a_balanced_set_of_test_rows() -> None:
+    """With every weight 0 the logits are the output bias b whatever the image, so the loss is
+    logsumexp(b) − the mean of b over the rows' labels: with b = t on class 0 alone,
+    log(9 + e^t) − t × (class 0's share of the rows), 0.1 on a balanced set."""
+    import torch
+
+    from fedmm.data import input_spec
+    from fedmm.models import build_model, model_options
+
+    cfg = compose([])
+    run = as_run(cfg)
+    net = build_model(run.model.name, input_spec(run.dataset), run.model.projection_dim, model_options(run.model))
+    model = {k: np.zeros_like(v.numpy()) for k, v in net.state_dict().items()}
+    bias = [k for k, v in model.items() if v.ndim == 1][-1]
+    model[bias] = np.array([3.0] + [0.0] * 9, np.float32)
+    loss = faults.held_out_loss(cfg)
+    assert loss(model) == pytest.approx(np.log(9 + np.exp(3.0)) - 3.0 * 0.1, abs=1e-5)
+    model[bias] = np.zeros(10, np.float32)
+    assert loss(model) == pytest.approx(float(torch.log(torch.tensor(10.0))), abs=1e-6)
 
 
 def test_absent_nodes_never_answer_and_the_others_train(monkeypatch: pytest.MonkeyPatch) -> None:
