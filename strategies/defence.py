@@ -32,6 +32,19 @@ FedCross and FedMut are defended one by one:
   honest one for a scaled update but an ascent step for a boosted sign flip (× −10) that agreed
   with the median on just over half of the coordinates and passed ``sign_screen``: in the
   multi-model methods that step is the next model of its slot. Needs at least 3 updates.
+- ``class_screen``: an update whose output layer disagrees, class by class, with the other
+  updates that learn the same classes is rejected (label flipping). The output layer is the
+  model's last 2-D weight with its bias (the classifier of every model here): an update that
+  raises class k's bias trains on rows labelled k, and moves row k of the weight towards the
+  features of those rows. Its agreement is the cosine of its row k to the coordinate-wise median
+  row k of the other updates that raise class k, averaged over its raised classes weighted by
+  how much it raises each (classes no other update raises are left out; an update with none
+  is kept). A client that trains on class c's images labelled c' moves row c' towards class
+  c's features, where the clients holding real c' images move it towards theirs. Updates that
+  agree in sign and cosine with the round's median, as label-flipped ones under label skew do
+  (``--screen-stats`` in bench/faults.py), are compared here only where they claim the same
+  labels as the others (the output-layer analysis of label flipping of Tolpegin et al. 2020
+  and LFighter, Jebreel et al. 2023). Needs at least 3 updates.
 - ``refill``: for the methods that keep a model per node of the round (FedMR, FedCross, FedMut,
   the asynchronous FedMR and FedCross; the other methods' settings refuse it), a
   rejected update's slot takes its sent model plus the coordinate-wise median of the round's
@@ -72,7 +85,7 @@ class DefenceSettings(Settings):
     keyed = False
     #: Declared after runs were made: the values that reproduce those runs (the stage off).
     added = {"adaptive_clip": None, "adaptive_clip_to": "bound", "screen": None, "sign_screen": None,
-             "norm_screen": None, "refill": "none"}
+             "norm_screen": None, "class_screen": None, "refill": "none"}
     clip_update_norm: float | None = setting(None, Nullable(Number(gt=0), "null (off) or an L2 norm > 0"),
                                              "scale each update (model − the model it was sent) down to at most this L2 norm",
                                              label="update norm ≤ {}")
@@ -95,10 +108,16 @@ class DefenceSettings(Settings):
                                         "reject an update whose L2 norm is above this multiple of the round's median "
                                         "update norm (instead of scaling it down); needs >= 3 updates",
                                         label="reject norm > {}× median")
+    class_screen: float | None = setting(None, Nullable(Number(ge=-1, lt=1), "null (off) or a cosine in [-1, 1)"),
+                                         "reject an update whose output-layer rows of the classes it raises have a "
+                                         "cosine of at most this (weighted mean) to the median rows of the other "
+                                         "updates raising those classes (label flipping); needs >= 3 updates",
+                                         label="class agreement > {}")
     refill: str = setting("none", Choice("none", "median"),
                           "none: a rejected update's model stays as it was sent | median: it takes the round's "
                           "coordinate-wise median of the kept updates (methods with a model per node: FedMR, "
-                          "FedCross, FedMut; needs screen, sign_screen or norm_screen)", label="rejected: {} update")
+                          "FedCross, FedMut; needs a setting that rejects: screen, sign_screen, norm_screen or "
+                          "class_screen)", label="rejected: {} update")
     robust_mean: str = setting("none", Choice("none", "median", "trimmed"),
                                "none: the method's own mean | median: coordinate-wise | trimmed: coordinate-wise "
                                "trimmed mean (unweighted)", label="{} mean")
@@ -113,7 +132,7 @@ class DefenceSettings(Settings):
                               "scales down to the median norm)")
         if self.refill != "none" and all(getattr(self, name) is None for name in REJECTING):
             raise ConfigError(f"{prefix}refill", self.refill,
-                              f"'none' when {prefix}screen, {prefix}sign_screen and {prefix}norm_screen are all null "
+                              f"'none' when {', '.join(prefix + name for name in REJECTING)} are all null "
                               "(nothing is rejected, so no slot is refilled)")
 
     @property
@@ -123,7 +142,7 @@ class DefenceSettings(Settings):
 
 
 #: The stage's settings that reject updates, and all that turn it on (null: off).
-REJECTING = ("screen", "sign_screen", "norm_screen")
+REJECTING = ("screen", "sign_screen", "norm_screen", "class_screen")
 SWITCHES = ("clip_update_norm", "adaptive_clip", *REJECTING)
 #: The stage's settings (those acting on each update, before the method), and the mean's.
 STAGE = (*SWITCHES, "adaptive_clip_to", "refill")
@@ -191,8 +210,39 @@ class Verdict:
     log: dict[str, float] = field(default_factory=dict)
     #: What the screens measured of each update, in the order of the round's updates:
     #: ``cosine`` and ``sign_agreement`` (to the round's median update), ``norm_ratio`` (to the
-    #: median norm), each where its screen is on and the round has at least 3 updates.
+    #: median norm), ``class_agreement`` (:func:`class_agreement`; NaN: not compared), each
+    #: where its screen is on and the round has at least 3 updates.
     scores: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+def output_layer(deltas: list[dict[str, np.ndarray]], keys: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """The updates of the output layer, the model's last 2-D floating entry ``<name>weight`` with
+    its ``<name>bias``: rows ``[update, class, feature]`` and bias ``[update, class]``."""
+    for key in reversed(keys):
+        bias = key[: -len("weight")] + "bias" if key.endswith("weight") else None
+        if deltas[0][key].ndim == 2 and bias in deltas[0] and deltas[0][bias].shape == deltas[0][key].shape[:1]:
+            return np.stack([d[key] for d in deltas]), np.stack([d[bias] for d in deltas])
+    raise ConfigError("strategy.defence.class_screen", "on", "null for a model without an output layer (a last 2-D "
+                      f"'...weight' entry with its '...bias'; the model's floating entries: {', '.join(keys)})")
+
+
+def class_agreement(rows: np.ndarray, bias: np.ndarray) -> np.ndarray:
+    """Per update (``rows[i]``: its output-layer weight update, ``[class, feature]``; ``bias[i]``:
+    its bias update): for each class k whose bias it raises, the cosine of its row k to the
+    coordinate-wise median row k of the other updates that raise k, averaged weighted by how much
+    it raises k; NaN where no other update raises any of its classes."""
+    n, classes = bias.shape
+    total, weight = np.zeros(n), np.zeros(n)
+    for k in range(classes):
+        raising = np.flatnonzero(bias[:, k] > 0)
+        if len(raising) < 2:
+            continue
+        for i in raising:
+            reference = np.median(rows[raising[raising != i], k], axis=0)
+            scale = float(np.linalg.norm(rows[i, k]) * np.linalg.norm(reference))
+            total[i] += bias[i, k] * (float(rows[i, k] @ reference) / scale if scale > 0 else 0.0)
+            weight[i] += bias[i, k]
+    return np.divide(total, weight, out=np.full(n, np.nan), where=weight > 0)
 
 
 class Defence:
@@ -269,6 +319,14 @@ class Defence:
             verdict.log["largest_norm_ratio"] = float(ratio.max())
             tests.append(("norm_screen", ratio > s.norm_screen, [f"update norm {r:.3g}× the round's median is above "
                                                                  f"{s.norm_screen:g}×" for r in ratio]))
+        if s.class_screen is not None:
+            agreement = class_agreement(*output_layer(deltas, keys))
+            verdict.scores["class_agreement"] = agreement
+            if not np.isnan(agreement).all():
+                verdict.log["smallest_class_agreement"] = float(np.nanmin(agreement))
+            tests.append(("class_screen", agreement <= s.class_screen,  # NaN (nothing to compare) is kept
+                          [f"class agreement {a:.3f} with the other updates raising its classes is at most "
+                           f"{s.class_screen:g}" for a in agreement]))
         for name, out, reasons in tests:
             for i in np.flatnonzero(keep & out):
                 keep[i] = False

@@ -55,6 +55,40 @@ def test_the_stage_by_hand() -> None:
     assert len(Defence(DefenceSettings(screen=0.0)).screen_and_bound([honest[0], flipped], [sent, sent]).kept) == 2
 
 
+def test_the_class_screen_rejects_an_update_that_learns_a_class_from_anothers_features() -> None:
+    """An output layer of 3 classes on 4 features (class k's images have feature k). Honest
+    updates raise the bias of the classes they hold and move those rows towards the class's
+    feature; the hostile one holds class 0's images labelled 2: it raises class 2 and moves row 2
+    towards feature 0. An update raising a class no other update raises is not compared."""
+    sent = {"body": np.zeros(4, np.float32), "out.weight": np.zeros((3, 4), np.float32), "out.bias": np.zeros(3, np.float32)}
+
+    def learner(holds: dict[int, int], lr: float = 1.0) -> dict[str, np.ndarray]:  # {class raised: the feature its rows move to}
+        weight, bias = np.zeros((3, 4), np.float32), np.zeros(3, np.float32)
+        for k, feature in holds.items():
+            weight[k, feature], weight[k, 3] = lr, 0.1 * lr
+            bias[k] = lr
+        return {"body": np.full(4, 0.5, np.float32), "out.weight": weight, "out.bias": bias}
+
+    honest = [learner({0: 0, 2: 2}), learner({2: 2}, 1.5), learner({0: 0, 1: 1}, 0.8), learner({1: 1}, 1.2)]
+    hostile = learner({2: 0})
+    alone = {**learner({1: 1}), "out.bias": np.array([-0.5, 0.0, -0.2], np.float32)}  # raises nothing
+    models = [*honest, hostile, alone]
+    updates = [ClientUpdate(i, i, m, 10.0, {}) for i, m in enumerate(models)]
+    verdict = Defence(DefenceSettings(class_screen=0.3)).screen_and_bound(updates, [sent] * len(models))
+    assert [u.node_id for u in verdict.kept] == [0, 1, 2, 3, 5]
+    assert [reason.split(":")[0] for _, reason in verdict.rejected] == ["defence.class_screen"]
+    scores = verdict.scores["class_agreement"]
+    # the hostile row 2 (0.99, 0, 0, 0.1)·(0, 0, 1.25, 0.125)/... ≈ 0.01: orthogonal but for feature 3
+    assert scores[4] == pytest.approx(0.1 * 0.1 / (np.hypot(1, 0.1) ** 2), abs=1e-6) and np.isnan(scores[5])
+    # honest 1's reference for class 2 is the median of honest 0's row and the hostile one: 0.71
+    assert min(scores[:4]) > 0.7 and verdict.log["smallest_class_agreement"] == scores[4]
+    # an output layer is found by name: a model without one is named in the error
+    with pytest.raises(ConfigError) as err:
+        Defence(DefenceSettings(class_screen=0.3)).screen_and_bound([update([1.0], {}), update([1.0], {}), update([1.0], {})],
+                                                                   [{"w": np.zeros(1, np.float32), "n": np.array(5)}] * 3)
+    assert err.value.key == "strategy.defence.class_screen" and "'w'" not in str(err.value) and "w" in str(err.value)
+
+
 def test_the_sign_screen_rejects_a_flip_that_the_cosine_screen_lets_pass() -> None:
     """Three honest updates; the flipped copy of a fourth update that is nearly orthogonal to
     them (−10 × (1, 1, 1, 0.01, 0.01, −30)) has a small positive cosine to the round's median
@@ -216,6 +250,7 @@ DEFENCES = [
     ("screen", ["0.0"], "flip"),
     ("sign_screen", ["0.5"], "flip"),
     ("norm_screen", ["3.0"], "scale"),
+    ("class_screen", ["0.3"], "labelflip"),
     ("refill", ["median", "strategy.defence.norm_screen=3.0"], "flip"),
     ("robust_mean", ["median"], "scale"),
     ("robust_mean", ["trimmed", "strategy.defence.trim_fraction=0.2"], "scale"),
@@ -242,7 +277,9 @@ def run_one_round(name: str, overrides: list[str], attack: str | None) -> list[n
         out = {}
         for k, v in sent.items():
             step = np.ones_like(v) * (1.0 + 0.1 * index) if np.issubdtype(v.dtype, np.floating) else np.zeros_like(v)
-            if attack and index == 4:
+            if attack == "labelflip" and index == 4 and k == "head.weight":  # its classes' rows along other features
+                step = np.tile(np.array([3.0, -3.0, 3.0, -3.0], v.dtype), (v.shape[0], 1))
+            elif attack in ("scale", "flip") and index == 4:
                 step = step * 100 if attack == "scale" else -step * 10
             out[k] = (v + step).astype(v.dtype)
         content = RecordDict({protocol.ARRAYS: protocol.model_to_record(out),
@@ -268,7 +305,7 @@ def test_every_method_passes_every_defence_or_refuses_it(name: str) -> None:
     those of the same round without it, or is refused when the settings are validated, naming
     the setting and the method."""
     honest = run_one_round(name, [], None)
-    attacked = run_one_round(name, [], "scale"), run_one_round(name, [], "flip")
+    attacked = {attack: run_one_round(name, [], attack) for attack in ("scale", "flip", "labelflip")}
     for setting_name, (value, *needs), attack in DEFENCES:
         key = f"strategy.defence.{setting_name}"
         try:
@@ -276,7 +313,7 @@ def test_every_method_passes_every_defence_or_refuses_it(name: str) -> None:
         except ConfigError as err:  # naming the setting, or the one it needs
             assert err.key in {key, *(n.split("=")[0] for n in needs)} and f"strategy={name}" in str(err), err
             continue
-        undefended = attacked[0] if attack == "scale" else attacked[1]
+        undefended = attacked[attack]
         # the stage acts on every model; a robust mean is the mean the method takes (its global model)
         shown = slice(None) if setting_name != "robust_mean" else slice(0, 1)
         gap = max(np.abs(d - h).max() for d, h in zip(defended[shown], honest[shown]))
