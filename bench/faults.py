@@ -322,16 +322,19 @@ class ScreenRecorder:
 def screen_table(rows: list[dict]) -> str:
     """Markdown: per experiment with ``screen_stats`` and per score, the honest updates' lowest
     and median value, the hostile ones' range, and the rounds in which every hostile update
-    scored worse than every honest one (lower cosine, sign agreement or output cosine, higher norm
-    ratio or held-out loss change)."""
+    scored worse than every honest one (lower cosine, sign, class or output agreement, higher norm
+    ratio or held-out loss change); a NaN score (not compared) is left out."""
     lines = ["| strategy | experiment | score | honest: worst, median | hostile: range | rounds apart |",
              "|---|---|---|---|---|---|"]
     for row in rows:
         rounds = row.get("screen_stats") or []
         hostile = experiment(row["fault"])[1] if row["fault"].split("+")[0] != "clean" else 0
-        for score in ("cosine", "sign_agreement", "norm_ratio", "output_cosine", "held_out_loss_change"):
-            per_round = [([u[score] for u in r if u["partition"] >= hostile], [u[score] for u in r if 0 <= u["partition"] < hostile])
+        for score in ("cosine", "sign_agreement", "norm_ratio", "class_agreement", "output_cosine", "held_out_loss_change"):
+            # NaN: not scored (class_agreement: no other update raised the update's classes)
+            per_round = [([u[score] for u in r if u["partition"] >= hostile and u[score] == u[score]],
+                          [u[score] for u in r if 0 <= u["partition"] < hostile and u[score] == u[score]])
                          for r in rounds if score in r[0]]
+            per_round = [(h, b) for h, b in per_round if h]
             if not per_round:
                 continue
             honest = [v for h, _ in per_round for v in h]

@@ -100,9 +100,12 @@ def test_the_screen_table_says_where_hostile_updates_scored_worse_than_every_hon
     assert table[3] == "| fedavg | labelflip-1+defence | norm_ratio | 3.000, 2.500 | 1.000 to 1.000 | 0 of 2 |"  # high is suspect
     clean = faults.screen_table([{**rows[0], "fault": "clean+defence"}]).splitlines()
     assert clean[2] == "| fedavg | clean+defence | cosine | 0.100, 0.225 | – | – |"  # every node honest
-    rows[0]["screen_stats"] = [[{**u, "held_out_loss_change": u["norm_ratio"]} for u in r] for r in rows[0]["screen_stats"]]
-    assert faults.screen_table(rows).splitlines()[4] == ("| fedavg | labelflip-1+defence | held_out_loss_change | "
-                                                         "3.000, 2.500 | 1.000 to 1.000 | 0 of 2 |")  # high is suspect
+    rows[0]["screen_stats"] = [[{**u, "held_out_loss_change": u["norm_ratio"], "class_agreement": u["cosine"] if u["partition"] != 1
+                                 else float("nan")} for u in r] for r in rows[0]["screen_stats"]]
+    table = faults.screen_table(rows).splitlines()
+    assert table[5] == "| fedavg | labelflip-1+defence | held_out_loss_change | 3.000, 2.500 | 1.000 to 1.000 | 0 of 2 |"  # high is suspect
+    # partition 1's class agreement not scored (NaN): left out, so the honest worst and median are partition 2's 0.2
+    assert table[4] == "| fedavg | labelflip-1+defence | class_agreement | 0.200, 0.200 | 0.100 to 0.250 | 1 of 2 |"
 
 
 def test_the_screen_recorder_names_each_updates_partition() -> None:
