@@ -218,15 +218,18 @@ HELD_OUT_PER_CLASS = 50
 
 def output_cosines(updates, sent) -> np.ndarray | None:  # noqa: ANN001 - ClientUpdates and their sent models
     """Each update's agreement, class by class, with the round's other updates on the output
-    layer (the last 2-D floating entry: one row per class): the cosine of its row-k update to the
-    round's coordinate-wise median row-k update, averaged over k weighted by its row's norm. A
-    client that trains on class c's images labelled c' moves row c' along class c's features.
-    None for a model without a 2-D entry."""
-    layers = [k for k, v in sent[0].items() if np.asarray(v).dtype.kind == "f" and np.asarray(v).ndim == 2]
-    if not layers:
+    layer (:func:`strategies.defence.output_layer`: one row per class): the cosine of its row-k
+    update to the round's coordinate-wise median row-k update, averaged over k weighted by its
+    row's norm. None for a model without an output layer."""
+    from fedmm.errors import ConfigError
+    from strategies.defence import output_layer
+
+    keys = [k for k, v in sent[0].items() if np.asarray(v).dtype.kind == "f"]
+    deltas = [{k: np.asarray(u.model[k], np.float64) - np.asarray(m[k], np.float64) for k in keys} for u, m in zip(updates, sent)]
+    try:
+        rows, _ = output_layer(deltas, keys)
+    except ConfigError:
         return None
-    key = layers[-1]
-    rows = np.stack([np.asarray(u.model[key], np.float64) - np.asarray(m[key], np.float64) for u, m in zip(updates, sent)])
     median = np.median(rows, axis=0)
     norms = np.linalg.norm(rows, axis=2)  # [update, class]
     scale = norms * np.linalg.norm(median, axis=1)[None]
