@@ -41,7 +41,7 @@ from flwr.supercore import log
 from fedmm import protocol
 from fedmm.protocol import ClientUpdate, ModelDict
 from strategies.aggregation import non_finite_key
-from strategies.defence import defend
+from strategies.defence import check_model, defend
 from strategies.evaluation import Conventions, EvaluateFn, FederatedEvaluation, client_metrics
 from strategies.heterogeneity import VirtualClock
 from strategies.ledger import ReplyCheck, ReplyLedger, RoundOutcome
@@ -233,6 +233,7 @@ class RoundLoopStrategy(FederatedEvaluation):
         ``round_log``."""
         if self.models is None:
             self.initialize(protocol.record_to_model(arrays))
+            check_model(self.settings.defence, self.models[0])
         assert self.models is not None
         if self.replies.spec is None:
             self.replies.spec = protocol.array_spec(self.models[0])

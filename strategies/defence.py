@@ -226,6 +226,14 @@ def output_layer(deltas: list[dict[str, np.ndarray]], keys: list[str]) -> tuple[
                       f"'...weight' entry with its '...bias'; the model's floating entries: {', '.join(keys)})")
 
 
+def check_model(defence: DefenceSettings, model: Mapping[str, np.ndarray]) -> None:
+    """A :class:`ConfigError` before the first round when a setting cannot act on ``model``
+    (``class_screen`` on a model without an output layer)."""
+    if defence.class_screen is not None:
+        keys = _floating(model)
+        output_layer([{k: np.asarray(model[k]) for k in keys}], keys)
+
+
 def class_agreement(rows: np.ndarray, bias: np.ndarray) -> np.ndarray:
     """Per update (``rows[i]``: its output-layer weight update, ``[class, feature]``; ``bias[i]``:
     its bias update): for each class k whose bias it raises, the cosine of its row k to the

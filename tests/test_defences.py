@@ -295,6 +295,25 @@ def run_one_round(name: str, overrides: list[str], attack: str | None) -> list[n
     return [np.concatenate([np.ravel(m[k]).astype(np.float64) for k in sorted(m)]) for m in models]
 
 
+@pytest.mark.parametrize("name", ["fedavg", "fedmr", "fedcross_async"])
+def test_the_class_screen_refuses_a_model_without_an_output_layer_before_any_node_is_asked(name: str) -> None:
+    """The check runs where every round starts (synchronous and asynchronous): no message is
+    sent, and the error names the setting and the model's entries."""
+    asked = []
+
+    def node(msg: Message, key: str) -> RecordDict:
+        asked.append(key)
+        raise AssertionError("no node is asked")
+
+    cfg = compose([f"strategy={name}", "num_clients=5", "clients_per_round=5", *ALL_BACK.get(name, []),
+                   "strategy.defence.class_screen=0.3"])
+    strategy = build_strategy(cfg)
+    body_only = {"body.weight": np.zeros((4, 3), np.float32), "body.scale": np.ones(4, np.float32)}
+    with pytest.raises(ConfigError) as err:
+        strategy.start(FakeGrid(node, num_nodes=5), protocol.model_to_record(body_only), num_rounds=1, final_report=False)
+    assert err.value.key == "strategy.defence.class_screen" and "body.weight, body.scale" in str(err.value) and asked == []
+
+
 def test_the_table_names_every_defence_setting() -> None:
     assert {name for name, _, _ in DEFENCES} == {f.name for f in dataclasses.fields(DefenceSettings)} - {"trim_fraction"}
 
