@@ -283,12 +283,14 @@ class ScreenRecorder:
         self.experiment = ""
         self.held_out = held_out
         self.loss = None
+        self.losses: dict[str, object] = {}  # by the experiment's dataset and model
 
     def begin(self, cfg: dict) -> None:
         """The rounds that follow are the experiment of ``cfg``'s."""
         self.experiment = str(cfg["output_dir"])
-        if self.held_out and self.loss is None:  # the experiments of one strategy share the data and the model
-            self.loss = held_out_loss(cfg)
+        if self.held_out:  # built once per dataset and model (a strategy's preset may name its own model)
+            key = json.dumps([cfg["dataset"], cfg["model"]], sort_keys=True, default=str)
+            self.loss = self.losses.get(key) or self.losses.setdefault(key, held_out_loss(cfg))
 
     def of(self, cfg: dict) -> list[list[dict]]:
         """The rounds recorded for the experiment of ``cfg``."""
@@ -566,6 +568,8 @@ def main() -> None:
     parser.add_argument("--summarize", nargs="+", metavar="FILE", default=None,
                         help="no runs: each defended attack's gap to the clean run over the seeds of these --attacks files")
     args = parser.parse_args()
+    if args.held_out and not args.screen_stats:
+        parser.error("--held-out adds a score to --screen-stats: give both")
     if args.summarize:
         print(seeds_table(args.summarize)[0], seeds_table(args.summarize, "absent")[0], sep="\n\n")
         return

@@ -131,6 +131,16 @@ def test_the_screen_recorder_names_each_updates_partition() -> None:
     assert "output_cosine" not in round_[0]  # a vector, no output layer (its own test below)
 
 
+def test_the_held_out_loss_is_built_once_per_dataset_and_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    built = []
+    monkeypatch.setattr(faults, "held_out_loss", lambda cfg: built.append(cfg["model"]["name"]) or (lambda m: 0.0))
+    recorder = faults.ScreenRecorder(held_out=True)
+    for model, run in (("cnn", "a"), ("cnn", "b"), ("lenet", "c"), ("cnn", "d")):
+        recorder.begin({"output_dir": f"/runs/{run}", "dataset": {"name": "mnist5k"}, "model": {"name": model}})
+    assert built == ["cnn", "lenet"]
+    assert faults.ScreenRecorder().loss is None  # without --held-out nothing is built
+
+
 def test_the_output_cosine_is_each_class_rows_agreement_weighted_by_the_rows_norm() -> None:
     from fedmm.protocol import ClientUpdate
 
