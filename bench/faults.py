@@ -59,11 +59,11 @@ of a seed whose attack runs were defended only). ``--screen-stats`` records what
 and sign agreement to the round's median update, norm ratio to the median norm), with the
 partition that sent it, and prints per experiment the honest updates' worst and median score,
 the hostile ones' range and the rounds in which every hostile update scored worse than every
-honest one: whether a screen could tell them apart at all. Beside them two scores no setting
-screens on: the output layer's agreement with the round's, class by class (``output_cosine``),
-and with ``--held-out`` the change each update makes to the loss on 50 test rows of each class
-(``held_out_loss_change``: what a server holding a small clean set, as in Zeno or FLTrust, would
-see).
+honest one: whether a screen could tell them apart at all. Beside them scores no setting
+screens on: the output layer's agreement, class by class, with the round's (``output_cosine``)
+and with the model each update was sent (``sent_alignment``), and with ``--held-out`` the
+change each update makes to the loss on 50 test rows of each class (``held_out_loss_change``:
+what a server holding a small clean set, as in Zeno or FLTrust, would see).
 """
 
 from __future__ import annotations
@@ -238,6 +238,31 @@ def output_cosines(updates, sent) -> np.ndarray | None:  # noqa: ANN001 - Client
     return np.divide((cosines * norms).sum(axis=1), total, out=np.zeros_like(total), where=total > 0)
 
 
+def sent_alignment(updates, sent) -> np.ndarray | None:  # noqa: ANN001 - ClientUpdates and their sent models
+    """Each update's agreement with the model it was sent, class by class: for each class k whose
+    output bias it raises, the cosine of its row-k update to the sent model's row k less the sent
+    rows' mean (the direction that raises class k's logit against the others), averaged over k
+    weighted by the bias rise; NaN where it raises none. None for a model without an output
+    layer. An honest row k moves toward the features of rows labelled k, which the sent model
+    already scores as k; a flipped one toward another class's features."""
+    from fedmm.errors import ConfigError
+    from strategies.defence import output_layer
+
+    keys = [k for k, v in sent[0].items() if np.asarray(v).dtype.kind == "f"]
+    deltas = [{k: np.asarray(u.model[k], np.float64) - np.asarray(m[k], np.float64) for k in keys} for u, m in zip(updates, sent)]
+    try:
+        rows, bias = output_layer(deltas, keys)
+        own, _ = output_layer([{k: np.asarray(m[k], np.float64) for k in keys} for m in sent], keys)
+    except ConfigError:
+        return None
+    centred = own - own.mean(axis=1, keepdims=True)  # [update, class, feature]
+    scale = np.linalg.norm(rows, axis=2) * np.linalg.norm(centred, axis=2)
+    cosines = np.divide((rows * centred).sum(axis=2), scale, out=np.zeros_like(scale), where=scale > 0)
+    rise = np.clip(bias, 0, None)
+    total = rise.sum(axis=1)
+    return np.divide((cosines * rise).sum(axis=1), total, out=np.full(len(updates), np.nan), where=total > 0)
+
+
 def held_out_loss(cfg: dict):  # noqa: ANN201
     """A function of a model: its cross-entropy on :data:`HELD_OUT_PER_CLASS` rows of each class
     of ``cfg``'s test split (seeded; the set a server could hold to score updates, as Zeno and
@@ -273,7 +298,8 @@ class ScreenRecorder:
     """``--screen-stats``: what the defence stage's screens measured of each update, round by
     round, with the partition of the node that sent it (hostile: the experiment's first
     partitions), from the verdict of :meth:`strategies.defence.Defence.screen_and_bound`; and two
-    scores no screen uses, taken before the stage: :func:`output_cosines` and, with
+    scores no screen uses, taken before the stage: :func:`output_cosines`,
+    :func:`sent_alignment` and, with
     ``held_out`` (``begin`` builds it from the experiment's config), the change in
     :func:`held_out_loss` from the model each update was sent to the model it returned."""
 
@@ -303,7 +329,7 @@ class ScreenRecorder:
 
         def screen_and_bound(defence, updates, sent):  # noqa: ANN001, ANN202
             cosines = output_cosines(updates, sent) if len(updates) >= 3 else None
-            extra = {} if cosines is None else {"output_cosine": cosines}
+            extra = {} if cosines is None else {"output_cosine": cosines, "sent_alignment": sent_alignment(updates, sent)}
             if extra and self.loss is not None:
                 extra["held_out_loss_change"] = np.array([self.loss(u.model) - self.loss(m) for u, m in zip(updates, sent)])
             verdict = real(defence, updates, sent)
@@ -334,7 +360,8 @@ def screen_table(rows: list[dict]) -> str:
     for row in rows:
         rounds = row.get("screen_stats") or []
         hostile = experiment(row["fault"])[1] if row["fault"].split("+")[0] != "clean" else 0
-        for score in ("cosine", "sign_agreement", "norm_ratio", "class_agreement", "output_cosine", "held_out_loss_change"):
+        for score in ("cosine", "sign_agreement", "norm_ratio", "class_agreement", "output_cosine", "sent_alignment",
+                      "held_out_loss_change"):
             # NaN: not scored (class_agreement: no other update raised the update's classes)
             per_round = [([u[score] for u in r if u["partition"] >= hostile and u[score] == u[score]],
                           [u[score] for u in r if 0 <= u["partition"] < hostile and u[score] == u[score]])

@@ -153,6 +153,24 @@ def test_the_output_cosine_is_each_class_rows_agreement_weighted_by_the_rows_nor
     assert faults.output_cosines(updates, [sent] * 3) == pytest.approx(expected)  # not the whole layer's 0.2887
 
 
+def test_the_sent_alignment_scores_each_raised_class_against_the_sent_models_own_row() -> None:
+    from fedmm.protocol import ClientUpdate
+
+    sent = {"out.weight": np.eye(2, dtype=np.float32), "out.bias": np.zeros(2, np.float32)}
+    # the sent rows less their mean: [0.5, -0.5] (class 0) and [-0.5, 0.5] (class 1)
+    moves = [([[1, 0], [0, 0]], [1, 0]),    # raises class 0 along its own row: cos 1/sqrt(2)
+             ([[0, 1], [0, 0]], [1, 0]),    # raises class 0 along class 1's row (a flip): -1/sqrt(2)
+             ([[1, 0], [1, 0]], [1, 3]),    # raises both, class 1 three times as much: (1 - 3)/4 / sqrt(2)
+             ([[1, 0], [0, 1]], [-1, -1])]  # raises no class: not scored
+    updates = [ClientUpdate(i, i, {"out.weight": np.eye(2, dtype=np.float32) + np.array(r, np.float32),
+                                   "out.bias": np.array(b, np.float32)}, 10.0, {}) for i, (r, b) in enumerate(moves)]
+    scores = faults.sent_alignment(updates, [sent] * 4)
+    assert scores[:3] == pytest.approx([1 / np.sqrt(2), -1 / np.sqrt(2), -0.5 / np.sqrt(2)])
+    assert np.isnan(scores[3])
+    conv = {"conv": np.zeros((2, 1, 2, 2), np.float32)}
+    assert faults.sent_alignment([ClientUpdate(0, 0, conv, 10.0, {})], [conv]) is None  # no output layer
+
+
 def test_the_held_out_loss_is_taken_on_a_balanced_set_of_test_rows() -> None:
     """With every weight 0 the logits are the output bias b whatever the image, so the loss is
     logsumexp(b) − the mean of b over the rows' labels: with b = t on class 0 alone,
