@@ -216,20 +216,32 @@ def faulty_client_app():  # noqa: ANN201
 HELD_OUT_PER_CLASS = 50
 
 
-def output_cosines(updates, sent) -> np.ndarray | None:  # noqa: ANN001 - ClientUpdates and their sent models
-    """Each update's agreement, class by class, with the round's other updates on the output
-    layer (:func:`strategies.defence.output_layer`: one row per class): the cosine of its row-k
-    update to the round's coordinate-wise median row-k update, averaged over k weighted by its
-    row's norm. None for a model without an output layer."""
+def output_updates(updates, sent) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:  # noqa: ANN001 - as below
+    """The output layer (:func:`strategies.defence.output_layer`) of each update's change from the
+    model it was sent, rows ``[update, class, feature]`` and bias ``[update, class]``, with the sent
+    models' own rows; None for a model without an output layer."""
     from fedmm.errors import ConfigError
     from strategies.defence import output_layer
 
     keys = [k for k, v in sent[0].items() if np.asarray(v).dtype.kind == "f"]
     deltas = [{k: np.asarray(u.model[k], np.float64) - np.asarray(m[k], np.float64) for k in keys} for u, m in zip(updates, sent)]
     try:
-        rows, _ = output_layer(deltas, keys)
+        rows, bias = output_layer(deltas, keys)
     except ConfigError:
         return None
+    own, _ = output_layer([{k: np.asarray(m[k], np.float64) for k in keys} for m in sent], keys)
+    return rows, bias, own
+
+
+def output_cosines(updates, sent) -> np.ndarray | None:  # noqa: ANN001 - ClientUpdates and their sent models
+    """Each update's agreement, class by class, with the round's other updates on the output
+    layer (:func:`strategies.defence.output_layer`: one row per class): the cosine of its row-k
+    update to the round's coordinate-wise median row-k update, averaged over k weighted by its
+    row's norm. None for a model without an output layer."""
+    layer = output_updates(updates, sent)
+    if layer is None:
+        return None
+    rows = layer[0]
     median = np.median(rows, axis=0)
     norms = np.linalg.norm(rows, axis=2)  # [update, class]
     scale = norms * np.linalg.norm(median, axis=1)[None]
@@ -245,16 +257,10 @@ def sent_alignment(updates, sent) -> np.ndarray | None:  # noqa: ANN001 - Client
     weighted by the bias rise; NaN where it raises none. None for a model without an output
     layer. An honest row k moves toward the features of rows labelled k, which the sent model
     already scores as k; a flipped one toward another class's features."""
-    from fedmm.errors import ConfigError
-    from strategies.defence import output_layer
-
-    keys = [k for k, v in sent[0].items() if np.asarray(v).dtype.kind == "f"]
-    deltas = [{k: np.asarray(u.model[k], np.float64) - np.asarray(m[k], np.float64) for k in keys} for u, m in zip(updates, sent)]
-    try:
-        rows, bias = output_layer(deltas, keys)
-        own, _ = output_layer([{k: np.asarray(m[k], np.float64) for k in keys} for m in sent], keys)
-    except ConfigError:
+    layer = output_updates(updates, sent)
+    if layer is None:
         return None
+    rows, bias, own = layer
     centred = own - own.mean(axis=1, keepdims=True)  # [update, class, feature]
     scale = np.linalg.norm(rows, axis=2) * np.linalg.norm(centred, axis=2)
     cosines = np.divide((rows * centred).sum(axis=2), scale, out=np.zeros_like(scale), where=scale > 0)
