@@ -303,10 +303,9 @@ SUSPECT_HIGH = ("norm_ratio", "held_out_loss_change")
 class ScreenRecorder:
     """``--screen-stats``: what the defence stage's screens measured of each update, round by
     round, with the partition of the node that sent it (hostile: the experiment's first
-    partitions), from the verdict of :meth:`strategies.defence.Defence.screen_and_bound`; and two
-    scores no screen uses, taken before the stage: :func:`output_cosines`,
-    :func:`sent_alignment` and, with
-    ``held_out`` (``begin`` builds it from the experiment's config), the change in
+    partitions), from the verdict of :meth:`strategies.defence.Defence.screen_and_bound`; and the
+    scores no screen uses, taken before the stage: :func:`output_cosines`, :func:`sent_alignment`
+    and, with ``held_out`` (``begin`` builds it from the experiment's config), the change in
     :func:`held_out_loss` from the model each update was sent to the model it returned."""
 
     def __init__(self, held_out: bool = False) -> None:

@@ -305,8 +305,8 @@ class Defence:
 
     def _screen(self, updates: list[ClientUpdate], deltas: list[dict[str, np.ndarray]], norms: np.ndarray,
                 keys: list[str], keep: np.ndarray, verdict: Verdict) -> None:
-        """``screen``, ``sign_screen`` and ``norm_screen``: clear ``keep`` of each update
-        rejected, with its reason in ``verdict``."""
+        """``screen``, ``sign_screen``, ``norm_screen`` and ``class_screen``: clear ``keep`` of
+        each update rejected, with its reason in ``verdict``."""
         s = self.settings
         tests: list[tuple[str, np.ndarray, list[str]]] = []  # (setting, True where rejected, reasons)
         if s.screen is not None or s.sign_screen is not None:
