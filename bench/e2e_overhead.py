@@ -48,6 +48,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cases import CaseLog  # noqa: E402 - bench/cases.py
+
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -626,23 +629,53 @@ def run_child(kind: str, spec: dict[str, Any], workdir: Path, verbose: bool, rep
     return run_children([(kind, spec, workdir)], verbose, repeats)[0]
 
 
-def run_children(jobs: list[tuple[str, dict[str, Any], Path]], verbose: bool, repeats: int = 1) -> list[dict[str, Any]]:
+def run_children(jobs: list[tuple[str, dict[str, Any], Path]], verbose: bool, repeats: int = 1,
+                 log: CaseLog | None = None, cases: list[dict[str, Any]] | None = None) -> list[dict[str, Any] | None]:
     """Run each ``(kind, spec, workdir)`` measurement ``repeats`` times, interleaved: the first run
     of every job, then the second of every job, and so on, so that a drift of the machine's speed
     during the bench falls on every runner alike and run i of one job can be paired with run i of
-    another (:func:`paired_ratio`). Return one result per job, as :func:`run_child` does."""
+    another (:func:`paired_ratio`). Return one result per job, as :func:`run_child` does.
+
+    With ``log`` (``cases[i]``: job i's case key), every run is written to the log's file as it
+    ends (the header's ``runs``), and a run that fails is recorded as the case's error: that job's
+    result is None and the other jobs go on (without ``log`` the failure raises)."""
     import statistics
+    import traceback
 
     runs: list[list[dict[str, Any]]] = [[] for _ in jobs]
+    failed = [False] * len(jobs)
     for index in range(repeats):
         for position, (kind, spec, workdir) in enumerate(jobs):
+            if failed[position]:
+                continue
             sub = workdir if index == 0 else workdir / f"repeat{index}"
             one = dict(spec)
             if index and "cfg" in one and one["cfg"].get("output_dir"):
                 one["cfg"] = dict(one["cfg"], output_dir=str(sub / "run"))
-            runs[position].append(_run_child_once(kind, one, sub, verbose))
-    results = []
-    for (_, spec, _), job_runs in zip(jobs, runs):
+            start = time.monotonic()
+            try:
+                result = _run_child_once(kind, one, sub, verbose)
+                if log is not None:
+                    log.checkpoint()
+            except Exception:  # noqa: BLE001 - with a log: this job's failure, recorded
+                if log is None:
+                    raise
+                failed[position] = True
+                log.failed(dict(cases[position], repeat=index), traceback.format_exc(), time.monotonic() - start)
+                continue
+            runs[position].append(result)
+            if log is not None:
+                rounds = int(spec["cfg"]["num_rounds"])
+                log.header.setdefault("runs", []).append(
+                    dict(cases[position], repeat=index, seconds_s=round(time.monotonic() - start, 2),
+                         per_round_s=result.get("per_round_s"), accuracy=result.get("accuracy"),
+                         phases=phases(result["marks"], rounds)))
+                log.save()
+    results: list[dict[str, Any] | None] = []
+    for (_, spec, _), job_runs, bad in zip(jobs, runs, failed):
+        if bad:
+            results.append(None)
+            continue
         result = job_runs[0]
         rounds = int(spec["cfg"]["num_rounds"])
         result["phases_runs"] = [phases(r["marks"], rounds) for r in job_runs]
@@ -676,7 +709,7 @@ def _run_child_once(kind: str, spec: dict[str, Any], workdir: Path, verbose: boo
     exited = time.time()
     if proc.returncode != 0:
         tail = "" if verbose else "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
-        raise SystemExit(f"e2e_overhead: {kind} measurement failed (exit {proc.returncode}); log: {log_path}\n{tail}")
+        raise RuntimeError(f"e2e_overhead: {kind} measurement failed (exit {proc.returncode}); log: {log_path}\n{tail}")
     result = json.loads((workdir / "result.json").read_text())
     for key in ("seconds", "accuracy"):
         result[key] = {int(r): v for r, v in result[key].items()}
@@ -732,6 +765,8 @@ def main() -> None:
                              "the whole-process table gives medians and run-by-run ratios to the plain loop")
     parser.add_argument("--out", default=None,
                         help="default: bench/results/e2e_overhead.json (default workload), e2e_overhead_<workload>.json")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the strategies whose every runner is already in --out, run the others")
     parser.add_argument("--child", nargs=2, metavar=("KIND", "DIR"), help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -757,7 +792,15 @@ def main() -> None:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="fedmm-e2e-")).resolve()
     cores = num_cores()
     print(f"e2e_overhead: {cores} cores, runs and logs in {workdir}", flush=True)
-    rows: list[dict[str, Any]] = []
+    name = "e2e_overhead.json" if args.workload == "default" else f"e2e_overhead_{args.workload}.json"
+    out = Path(args.out or Path(__file__).parent / "results" / name)
+    machine = {"platform": platform.platform(), "processor": platform.processor(), "cpus": cores,
+               "python": platform.python_version()}
+    # Written as each run ends (the header's ``runs``) and as each strategy's rows are complete
+    log = CaseLog(out, {"machine": machine, "argv": sys.argv[1:], "workload": args.workload, "workdir": str(workdir)},
+                  key=("strategy", "runner"), resume=args.resume)
+    log.header["runs"] = list(log.earlier.get("runs", []))
+    rows: list[dict[str, Any]] = log.rows
     header = (f"{'strategy':<10}{'runner':<36}{'parallel':>9}{'threads':>8}{'s/round':>9}{'vs plain':>9}{'vs Flower':>10}"
               f"{'startup s':>11}{'1st round s':>12}{'final acc':>10}{'Δacc':>9}{'max|Δw|':>10}")
     anchor: dict[str, Any] | None = None
@@ -805,11 +848,20 @@ def main() -> None:
             parallel = max(1, int(cores // client_cpus))
             flower_cfgs.append((client_cpus, parallel, cfg))
             jobs.append(("flower", {"cfg": cfg, "parallel": parallel}, workdir / strategy / tag))
-        results = iter(run_children(jobs, args.verbose, args.repeats))
+        expected = len(jobs) + (anchor is not None)
+        if len(log.rows_where(strategy=strategy)) >= expected:
+            print(f"{strategy}: every runner kept from the earlier run (--resume)", flush=True)
+            continue
+        log.rows[:] = [row for row in log.rows if row["strategy"] != strategy]  # a partial strategy runs again
+        case_keys = [{"strategy": strategy, "runner": kind if kind != "flower" else Path(workdir).name}
+                     for kind, _, workdir in jobs]
+        results = iter(run_children(jobs, args.verbose, args.repeats, log=log, cases=case_keys))
 
         plain_rows: list[dict[str, Any]] = []
         for threads, cfg in plain_cfgs:
             res = next(results)
+            if res is None:  # failed: recorded in the log's errors
+                continue
             # The plain loop has the server step of FedAvg, FedMR and FedCross; for any other method
             # it does the same client work with FedAvg's server step (so no accuracy comparison).
             # Likewise it samples clients uniformly: a run with another selector (CluSamp) is compared
@@ -824,6 +876,8 @@ def main() -> None:
         flower_rows: list[dict[str, Any]] = []
         for label, cfg in local_cfgs:
             res = next(results)
+            if res is None:
+                continue
             row = dict(res, strategy=strategy, runner=label, parallel=1, threads=cores, client_cpus=None)
             match = next((p for p in plain_rows if p["threads"] == cores), reference)
             if match is not None and match["runner"] == "plain loop":
@@ -833,6 +887,8 @@ def main() -> None:
             flower_rows.append(row)
         for client_cpus, parallel, cfg in flower_cfgs:
             res = next(results)
+            if res is None:
+                continue
             threads = max(1, int(client_cpus))
             row = dict(res, strategy=strategy, runner=f"this app, Ray, client_cpus={client_cpus:g}",
                        parallel=parallel, threads=threads, client_cpus=client_cpus)
@@ -860,7 +916,7 @@ def main() -> None:
                     row["delta_accuracy"] = row["final_accuracy"] - reference["accuracy"][args.rounds]
                     row["max_weight_diff"] = max_weight_diff(row["final_model"], reference["final_model"])
             show(strategy, row)
-            rows.append(dict(row, strategy=strategy, workload=args.workload))
+            log.add(dict(row, strategy=strategy, workload=args.workload))
         for row in flower_rows:
             b = row.get("breakdown_per_round_s")
             if b:
@@ -899,13 +955,10 @@ def main() -> None:
           "Flower's built-in FedAvg with a minimal ClientApp (same clients, same work); Δacc and max|Δw|: final "
           "accuracy and largest weight difference of the final global model against the plain loop with the same "
           "per-client threads (else the first).")
-    name = "e2e_overhead.json" if args.workload == "default" else f"e2e_overhead_{args.workload}.json"
-    out = Path(args.out or Path(__file__).parent / "results" / name)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    machine = {"platform": platform.platform(), "processor": platform.processor(), "cpus": cores,
-               "python": platform.python_version()}
-    out.write_text(json.dumps({"machine": machine, "argv": sys.argv[1:], "workload": args.workload, "workdir": str(workdir), "rows": rows}, indent=2))
+    log.finish()
     print(f"wrote {out}")
+    if log.exit_status():
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

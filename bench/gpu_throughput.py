@@ -5,7 +5,10 @@ what to set ``simulation.client_gpus`` (the GPU fraction per ClientApp) to.
     python bench/gpu_throughput.py --device cpu --clients 1 2     # the same on the CPU
 
 Every client is a separate process (``torch.multiprocessing``, spawn), as Ray runs every
-ClientApp in its own worker process: it builds its model with ``fedmm.models.build_model``, its
+ClientApp in its own worker process. The processes are a pool started once (as many as the
+largest n) that runs every case, smallest n first: a case of n clients runs on the first n
+processes while the others wait (they have not touched the device yet), so torch and the app are
+imported once per process, not once per case. For a case a client builds its model with ``fedmm.models.build_model``, its
 own seeded CIFAR-shaped synthetic data (uint8 3x32x32, 10 classes, normalised as CIFAR-10) as a
 ``fedmm.data.TensorData``, and trains it with the app's loop (``client_app.training.train_epochs``,
 the loop of ``client_app.training.train``, through the ``ce`` plugin of
@@ -16,10 +19,13 @@ warm-up of two batches, the n clients of a case start each timed round together 
 Reported per model and number of concurrent clients n (median over ``--repeats`` rounds):
 samples/s of all clients together (n x samples x epochs / the time from the first start to the
 last finish) and per client, seconds per client round, and the peak memory of one client: on
-CUDA ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` of its process (the CUDA
-context, a few hundred MiB per process, comes on top; ``device_used_mib`` in the JSON is the
-whole GPU's use while all n processes are alive), on the CPU the peak RSS of its process
-(PyTorch's own runtime included; in brackets the growth over the process after its imports).
+CUDA ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` of its process in this case
+(reset when the case starts; the CUDA context, a few hundred MiB per process, comes on top;
+``device_used_mib`` in the JSON is the whole GPU's use while the n processes of the case are
+alive, each having emptied its cache after its earlier cases), on the CPU the peak RSS of its
+process during the case (Linux: ``VmHWM`` reset when the case starts; PyTorch's own runtime
+included; in brackets the growth over the process after its imports). The JSON is written case
+by case (``bench/cases.py``); ``--resume`` runs only the cases missing from ``--out``.
 The suggestion is the largest n whose total throughput is within 5 % of the best n tested:
 ``client_gpus = 1/n``.
 
@@ -30,8 +36,9 @@ imports needs them. Writes bench/results/gpu_throughput.json.
 from __future__ import annotations
 
 import argparse
-import importlib.machinery
 import ast
+import gc
+import importlib.machinery
 import json
 import os
 import platform
@@ -52,6 +59,10 @@ import torch.multiprocessing as mp
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as ``python bench/gpu_throughput.py`` from a plain copy of the repo
     sys.path.insert(0, str(REPO))
+if str(REPO / "bench") not in sys.path:
+    sys.path.insert(0, str(REPO / "bench"))
+
+from cases import CaseLog  # noqa: E402 - bench/cases.py (no Flower)
 
 MODELS = ("cnn", "resnet20", "vgg16")
 #: CIFAR-10 as the app reads it (conf/dataset/cifar10.yaml).
@@ -128,18 +139,44 @@ def synthetic_data(app: types.SimpleNamespace, n: int, seed: int):
 
 # ------------------------------------------------------------------------------ one client
 def _peak_rss_mib() -> float:
-    """Peak resident memory of this process so far (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
+    """Peak resident memory of this process since :func:`_reset_peak_rss` (Linux: ``VmHWM``), else
+    since it started (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024 / MIB
+    except OSError:
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / MIB if sys.platform == "darwin" else peak * 1024 / MIB
 
 
-def _client(rank: int, spec: dict[str, Any], barrier: Any) -> dict[str, Any]:
-    """One client process: build, warm up, then ``repeats`` timed rounds started at the barrier."""
+def _reset_peak_rss() -> bool:
+    """Start this process's peak resident memory afresh (Linux: ``/proc/self/clear_refs`` 5), so
+    that a worker's later case does not report an earlier case's peak, after handing the heap an
+    earlier case freed back to the system (glibc's ``malloc_trim``); False where it cannot."""
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def _client(rank: int, spec: dict[str, Any], barrier: Any, app: types.SimpleNamespace, rss_after_imports: float) -> dict[str, Any]:
+    """One client of one case: build, warm up, then ``repeats`` timed rounds started at the barrier."""
     torch.set_num_threads(spec["threads"])
-    app = _app()
-    rss_after_imports = _peak_rss_mib()
+    peak_rss_reset = _reset_peak_rss()
     device = torch.device(spec["device"])
     cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
     seed = spec["seed"] * 10_007 + rank
     data = synthetic_data(app, spec["samples"], seed)
     torch.manual_seed(seed)  # model initialisation and dropout (vgg16)
@@ -166,6 +203,7 @@ def _client(rank: int, spec: dict[str, Any], barrier: Any) -> dict[str, Any]:
         "rank": rank,
         "rounds": rounds,
         "peak_rss_mib": _peak_rss_mib(),
+        "peak_rss_of_this_case": peak_rss_reset,
         "rss_after_imports_mib": rss_after_imports,
         "frameworks_loaded": sorted({m.split(".")[0] for m in sys.modules if m.split(".")[0] in FRAMEWORKS}),
         "stand_ins": app.stand_ins,
@@ -178,47 +216,78 @@ def _client(rank: int, spec: dict[str, Any], barrier: Any) -> dict[str, Any]:
         free, total = torch.cuda.mem_get_info(device)
         out["device_used_mib"] = (total - free) / MIB
     barrier.wait()
+    del model, data, warmup, update
+    if cuda:  # the next case of this worker starts from an empty cache
+        torch.cuda.empty_cache()
     return out
 
 
-def _client_process(rank: int, spec: dict[str, Any], barrier: Any, results: Any) -> None:
-    try:
-        results.put((rank, _client(rank, spec, barrier), None))
-    except BaseException:  # report it; the parent stops the other clients
-        barrier.abort()
-        results.put((rank, None, traceback.format_exc()))
+def _worker(rank: int, tasks: Any, barriers: dict[int, Any], results: Any) -> None:
+    """A client process of the pool: imports the app once, then runs the cases it is given
+    (``(case index, spec)``; None ends it), each report or traceback into ``results``."""
+    app = _app()
+    rss_after_imports = _peak_rss_mib()
+    while True:
+        task = tasks.get()
+        if task is None:
+            return
+        index, spec = task
+        barrier = barriers[index]
+        try:
+            results.put((index, rank, _client(rank, spec, barrier, app, rss_after_imports), None))
+        except BaseException:  # report it; the parent stops the case
+            barrier.abort()
+            results.put((index, rank, None, traceback.format_exc()))
 
 
-def run_case(spec: dict[str, Any], n: int, timeout: float) -> list[dict[str, Any]]:
-    """Start ``n`` client processes together; return their reports (by rank)."""
-    ctx = mp.get_context("spawn")
-    barrier = ctx.Barrier(n, timeout=timeout)
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_client_process, args=(rank, spec, barrier, results), daemon=True) for rank in range(n)]
-    for p in procs:
-        p.start()
-    reports: dict[int, dict[str, Any]] = {}
-    deadline = time.monotonic() + timeout * (spec["repeats"] + 3)
-    try:
+class Pool:
+    """``size`` client processes (``torch.multiprocessing``, spawn), started once and given every
+    case in turn: the first n of them run a case of n clients, together at the case's barrier.
+    Each imports torch and the app once, not once per case. A case whose client fails or times
+    out ends the pool (:meth:`close`); the next case starts a fresh one."""
+
+    def __init__(self, size: int, cases: list[int], timeout: float) -> None:
+        self.ctx = mp.get_context("spawn")
+        self.cases, self.timeout = cases, timeout  # cases[i]: the number of clients of case i
+        self.barriers = {i: self.ctx.Barrier(n, timeout=timeout) for i, n in enumerate(cases)}
+        self.results = self.ctx.Queue()
+        self.tasks = [self.ctx.Queue() for _ in range(size)]
+        self.procs = [self.ctx.Process(target=_worker, args=(rank, self.tasks[rank], self.barriers, self.results), daemon=True)
+                      for rank in range(size)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, index: int, spec: dict[str, Any]) -> list[dict[str, Any]]:
+        """Case ``index`` (``cases[index]`` clients); their reports, by rank."""
+        n = self.cases[index]
+        for rank in range(n):
+            self.tasks[rank].put((index, spec))
+        reports: dict[int, dict[str, Any]] = {}
+        deadline = time.monotonic() + self.timeout * (spec["repeats"] + 3)
         while len(reports) < n:
             try:
-                rank, report, error = results.get(timeout=1.0)
+                case, rank, report, error = self.results.get(timeout=1.0)
             except queue_module.Empty:
-                dead = [p.exitcode for i, p in enumerate(procs) if i not in reports and p.exitcode not in (None, 0)]
+                dead = [p.exitcode for p in self.procs[:n] if p.exitcode is not None]
                 if dead or time.monotonic() > deadline:
                     raise RuntimeError(f"{spec['model']} x{n}: a client process died (exit codes {dead}) or timed out")
                 continue
+            if case != index:
+                continue  # a late report of a case that failed
             if error:
                 raise RuntimeError(f"{spec['model']} x{n}: client {rank} failed:\n{error}")
             reports[rank] = report
-        for p in procs:
-            p.join(timeout=60)
-    finally:
-        for p in procs:
+        return [reports[rank] for rank in range(n)]
+
+    def close(self) -> None:
+        for tasks, p in zip(self.tasks, self.procs):
+            if p.is_alive():
+                tasks.put(None)
+        for p in self.procs:
+            p.join(timeout=10)
             if p.is_alive():
                 p.terminate()
                 p.join(timeout=10)
-    return [reports[rank] for rank in range(n)]
 
 
 # ------------------------------------------------------------------------------ summary
@@ -346,6 +415,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds one round may take before giving up")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "gpu_throughput.json"))
+    parser.add_argument("--resume", action="store_true", help="keep the cases already in --out and run the others")
     args = parser.parse_args(argv)
     if any(n < 1 for n in args.clients) or args.samples_per_client < 1 or args.epochs < 1 or args.repeats < 1:
         parser.error("--clients, --samples-per-client, --epochs and --repeats must be >= 1")
@@ -372,6 +442,20 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def by_model(rows: list[dict[str, Any]], models: list[str], cuda: bool) -> dict[str, Any]:
+    """The finished rows per model (by number of clients) with each model's suggestion."""
+    out: dict[str, Any] = {}
+    for model in models:
+        mine = sorted((row for row in rows if row["model"] == model), key=lambda row: row["clients"])
+        if not mine:
+            continue
+        n_best = suggest(mine)
+        threads_best = next(row["threads"] for row in mine if row["clients"] == n_best)
+        out[model] = {"samples_per_client": mine[0]["samples_per_client"], "rows": mine, "suggested_clients": n_best,
+                      "suggested_client_gpus": 1 / n_best, "suggestion": suggestion_text(n_best, cuda, threads_best)}
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     device = resolve_device(args.device)
@@ -379,7 +463,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     training = training_config(app.conf_dir, args.epochs, args.batch_size)
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     clients = sorted(set(args.clients))
-    result: dict[str, Any] = {
+    header: dict[str, Any] = {
         "benchmark": "gpu_throughput",
         "device": device.type,
         "machine": machine_info(device),
@@ -389,45 +473,56 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "threads": args.threads, "seed": args.seed, "warmup_batches": WARMUP_BATCHES, "tolerance": TOLERANCE,
             "training": training, "objective": "ce", "data": "synthetic uint8 3x32x32, 10 classes, mean=std=0.5",
             "loop": "client_app.training.train_epochs (the loop of client_app.training.train)",
+            "order": "by number of clients, then model: a case of n clients runs on the pool's first n processes, "
+                     "and the others have not touched the device yet",
         },
         "stand_ins": app.stand_ins,
-        "models": {},
+        "load_average_before": _load_average(),  # other work on the machine skews the numbers
     }
+    cuda = device.type == "cuda"
+
+    def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+        models = by_model(rows, args.models, cuda)
+        return {"models": models, "table": markdown_table({"device": device.type, "models": models})}
+
+    log = CaseLog(args.out, header, key=("model", "clients"), resume=args.resume, summary=summary)
+    cases = [(n, model) for n in clients for model in args.models if not log.finished(model=model, clients=n)]
     started = time.monotonic()
-    result["load_average_before"] = _load_average()  # other work on the machine skews the numbers
-    for model in args.models:
-        samples = args.model_samples.get(model, args.samples_per_client)
-        rows = []
-        for n in clients:
+    pool: Pool | None = None
+    try:
+        for index, (n, model) in enumerate(cases):
+            samples = args.model_samples.get(model, args.samples_per_client)
             threads = args.threads or max(1, usable // n)
             spec = {"model": model, "samples": samples, "repeats": args.repeats, "device": str(device),
                     "threads": threads, "seed": args.seed, "training": training}
-            t = time.monotonic()
-            row = summarise(run_case(spec, n, args.timeout), samples, args.epochs)
-            row.update(threads=threads, samples_per_client=samples, case_wall_s=time.monotonic() - t)
-            rows.append(row)
-            print(f"{model:>9} x{n}: {row['total_samples_per_s']:8.1f} samples/s total, "
-                  f"{row['s_per_client_round']:.2f} s per client round ({row['case_wall_s']:.0f} s)", flush=True)
-        n_best = suggest(rows)
-        threads_best = next(row["threads"] for row in rows if row["clients"] == n_best)
-        result["models"][model] = {
-            "samples_per_client": samples, "rows": rows, "suggested_clients": n_best,
-            "suggested_client_gpus": 1 / n_best, "suggestion": suggestion_text(n_best, device.type == "cuda", threads_best),
-        }
-    result["wall_s"] = time.monotonic() - started
-    result["load_average_after"] = _load_average()
-    table = markdown_table(result)
-    result["table"] = table
+            with log.case(model=model, clients=n) as row:
+                t = time.monotonic()
+                if pool is None:
+                    pool = Pool(max(c for c, _ in cases), [c for c, _ in cases], args.timeout)
+                try:
+                    reports = pool.run(index, spec)
+                except BaseException:
+                    pool.close()
+                    pool = None
+                    raise
+                row.update(summarise(reports, samples, args.epochs))
+                row.update(threads=threads, samples_per_client=samples, case_wall_s=time.monotonic() - t)
+                print(f"{model:>9} x{n}: {row['total_samples_per_s']:8.1f} samples/s total, "
+                      f"{row['s_per_client_round']:.2f} s per client round ({row['case_wall_s']:.0f} s)", flush=True)
+    finally:
+        if pool is not None:
+            pool.close()
+    log.finish(wall_s=time.monotonic() - started, load_average_after=_load_average())
+    result = json.loads(Path(args.out).read_text(encoding="utf-8"))
     print()
     print(f"Local training throughput on {result['machine']['device_name']} "
           f"(batch {training['batch_size']}, {args.epochs} epoch(s), median of {args.repeats} rounds; "
           f"load average {result['load_average_before']} before, {result['load_average_after']} after)")
     print()
-    print(table)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    print(f"\nwrote {out}")
+    print(result.get("table", "(no case finished)"))
+    print(f"\nwrote {args.out}")
+    if log.exit_status():
+        raise SystemExit(1)
     return result
 
 

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from fedmm.training import TrainingSettings, round_lr
+from fedmm.training import TrainingSettings, host_values, round_lr, weighted_sum
 from objectives.base import LocalUpdate
 from fedmm.data import TensorData, batches
 
@@ -45,12 +45,17 @@ def train_epochs(
             torch.nn.utils.clip_grad_norm_(trained, max_norm)
 
         optimizer.register_step_pre_hook(clip)
-    total_loss, total_seen = 0.0, 0
+    losses, sizes = [], []
     for x, y in local_batches(data, training, generator, device):
-        loss = update.step(model, optimizer, x, y)
-        total_loss += float(loss.detach()) * len(y)
-        total_seen += len(y)
-    return total_loss / max(total_seen, 1), time.perf_counter() - start
+        losses.append(update.step(model, optimizer, x, y).detach())  # kept on the device: no wait per step
+        sizes.append(len(y))
+    return mean_loss(losses, sizes), time.perf_counter() - start
+
+
+def mean_loss(losses: list[torch.Tensor], sizes: list[int]) -> float:
+    """The mean of batch losses weighted by their rows, read from the device once (each loss as
+    the float it is, summed in double precision in batch order, as ``float(loss)`` per step did)."""
+    return weighted_sum(host_values(losses), sizes) / max(sum(sizes), 1)
 
 
 def local_batches(data: TensorData, training: TrainingSettings, generator: torch.Generator, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

@@ -14,8 +14,9 @@ sequential loop (:func:`client_app.training.train_epochs`) gives it:
 - its SGD state: momentum buffer, weight decay, the round's learning rate, gradient clipping by
   its own norm (``torch.nn.utils.clip_grad_norm_``'s arithmetic), the objective's clipping first;
 - its BatchNorm running statistics (buffers stacked like the parameters) and its dropout masks:
-  drawn, client by client, from a generator seeded as the sequential loop seeds torch's global
-  one, in the order the forward pass uses them (equal to the sequential loop's on the CPU).
+  drawn, client by client, by ``F.dropout`` from the device's default generator set to the
+  client's own state, seeded as the sequential loop seeds it, in the order the forward pass uses
+  them (the sequential loop's masks, on the CPU and on CUDA).
 
 Ragged clients are exact. A client that has run out of batches is in no step. For a model
 whose rows do not meet in the forward pass (no BatchNorm, no dropout: ``lenet``, ``cnn``), each
@@ -43,10 +44,11 @@ from typing import Any
 import torch
 from torch import nn
 from torch.func import grad_and_value, vmap
+from torch.nn import functional as F
 
 from client_app.training import local_batches
 from fedmm.data import TensorData
-from fedmm.training import TrainingSettings, round_lr
+from fedmm.training import TrainingSettings, round_lr, weighted_sum
 from objectives.base import LocalUpdate
 
 #: The optimizer arguments the stacked SGD step implements (an objective asking for more, e.g.
@@ -65,7 +67,7 @@ class ClientResult:
 
 class ReplayDropout(nn.Module):
     """``nn.Dropout`` whose mask is given (one client's, under ``vmap``): ``x * mask``, the mask
-    already holding the ``1 / (1 - p)`` scale, as PyTorch's CPU dropout computes it."""
+    already holding the ``1 / (1 - p)`` scale (:class:`_Dropouts` draws it)."""
 
     def __init__(self, p: float) -> None:
         super().__init__()
@@ -92,18 +94,35 @@ def unsupported_modules(model: nn.Module) -> list[str]:
 
 
 class _Dropouts:
-    """The clients' dropout masks: each client's own generator, seeded as the sequential loop
-    seeds torch's global generator, draws ``bernoulli(1 - p) / (1 - p)`` per dropout layer in
-    forward order (PyTorch's CPU dropout: ``empty_like(x).bernoulli_(1 - p).div_(1 - p)``)."""
+    """The clients' dropout masks, drawn as the sequential loop's forward pass draws them: by
+    ``F.dropout`` itself, on a tensor of ones of the layer's input shape, dtype and device, from the
+    device's default generator set to the client's own state (at first seeded as the loop seeds
+    it, ``torch.manual_seed``; kept from step to step), layer after layer in forward order. On the
+    CPU that is ``empty_like(x).bernoulli_(1 - p).div_(1 - p)`` from torch's global generator; on
+    CUDA the fused dropout kernel, whose draws depend on the shape (the same shape here). The mask
+    holds the ``1 / (1 - p)`` scale; ``ones * mask`` is the mask exactly, so ``x * mask`` is the
+    loop's ``x * mask`` bit for bit."""
 
-    def __init__(self, arch: nn.Module, seeds: Sequence[int] | None) -> None:
-        self.arch = arch
+    def __init__(self, arch: nn.Module, seeds: Sequence[int] | None, device: torch.device) -> None:
+        self.arch, self.device = arch, device
         self.layers = [m for m in arch.modules() if isinstance(m, ReplayDropout)]
         if self.layers and seeds is None:
             raise ValueError("the model has dropout: give each client's dropout seed (the seed of its round)")
-        self.generators = [torch.Generator().manual_seed(int(s)) for s in seeds] if self.layers else []
+        self.states = [torch.Generator(device=device).manual_seed(int(s)).get_state() for s in seeds] if self.layers else []
         self.shapes: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
         self.order: list[ReplayDropout] = []
+
+    def _generator_state(self, state: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The device's default generator's state (``state`` given: set to it)."""
+        if self.device.type == "cuda":
+            if state is None:
+                return torch.cuda.get_rng_state(self.device)
+            torch.cuda.set_rng_state(state, self.device)
+        else:
+            if state is None:
+                return torch.get_rng_state()
+            torch.set_rng_state(state)
+        return None
 
     def masks(self, members: Sequence[int], x: torch.Tensor, device: torch.device) -> list[torch.Tensor]:
         if not self.layers:
@@ -124,15 +143,18 @@ class _Dropouts:
                     hook.remove()
             self.order = calls
             self.shapes[key] = [layer.traced for layer in calls]
-        out = []
-        for layer, shape in zip(self.order, self.shapes[key]):
-            keep = 1.0 - layer.p
-            per_client = []
-            for client in members:
-                noise = torch.empty(shape, dtype=x.dtype).bernoulli_(keep, generator=self.generators[client])
-                per_client.append(noise.div_(keep))
-            out.append(torch.stack(per_client).to(device))
-        return out
+        per_layer: list[list[torch.Tensor]] = [[] for _ in self.order]
+        held = self._generator_state()
+        try:
+            with torch.no_grad():
+                for client in members:
+                    self._generator_state(self.states[client])
+                    for drawn, layer, shape in zip(per_layer, self.order, self.shapes[key]):
+                        drawn.append(F.dropout(torch.ones(shape, dtype=x.dtype, device=device), layer.p, training=True))
+                    self.states[client] = self._generator_state()
+        finally:
+            self._generator_state(held)  # the process's own stream goes on as if nothing was drawn
+        return [torch.stack(drawn) for drawn in per_layer]
 
     def set(self, masks: Sequence[torch.Tensor] | None) -> None:
         for layer, mask in zip(self.order, masks or [None] * len(self.order)):
@@ -223,7 +245,7 @@ def train_stacked(
     own = [u.tensors() for u in updates]
     tensors = {n: torch.stack([t[n] for t in own]).to(device) for n in own[0]}
     momentum_buf = {n: torch.zeros_like(p) for n, p in params.items()}  # m * 0 + g = g: torch's first step, exactly
-    dropouts = _Dropouts(arch, dropout_seeds)
+    dropouts = _Dropouts(arch, dropout_seeds, device)
 
     corrects = type(objective).correct_gradient is not LocalUpdate.correct_gradient
     objective_clip = objective.gradient_clip()
@@ -250,9 +272,9 @@ def train_stacked(
     correct = vmap(objective.correct_gradient, in_dims=(0, 0)) if corrects else None
 
     streams = [local_batches(data, training, gen, device) for data, gen in zip(datas, generators)]
-    totals = [0.0] * k
-    seen = [0] * k
-    steps = [0] * k
+    step_losses: list[torch.Tensor] = []  # each step's losses of its members, on the device
+    step_members: list[list[int]] = []
+    per_client: list[tuple[list[float], list[int]]] = [([], []) for _ in range(k)]  # (losses, rows) by step
     active = list(range(k))
     while active:
         batches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -311,18 +333,28 @@ def train_stacked(
             if not whole:
                 for n, tensor in b.items():
                     buffers[n].index_copy_(0, index, tensor)
-            for client, loss, n_rows in zip(members, losses.tolist(), sizes):
-                totals[client] += loss * n_rows
-                seen[client] += n_rows
-                steps[client] += 1
+            step_losses.append(losses.detach())  # kept on the device: read once, after the last step
+            for client, n_rows in zip(members, sizes):
+                per_client[client][1].append(n_rows)
+            step_members.append(members)
         step_index += 1
+    # every step's losses in one read from the device, then each client's in its step order
+    values = torch.cat(step_losses).cpu().tolist() if step_losses else []
+    position = 0
+    for members in step_members:
+        for client in members:
+            per_client[client][0].append(values[position])
+            position += 1
     results = []
     for client, state in enumerate(states):
         out = {n: params[n][client] for n in trainable}
         out.update({n: buffers[n][client] for n in fixed})
-        updates[client].finish_steps(steps[client], lr)
-        results.append(ClientResult({key: out[key] for key in state}, totals[client] / max(seen[client], 1), steps[client]))
+        client_losses, client_sizes = per_client[client]
+        updates[client].finish_steps(len(client_sizes), lr)
+        results.append(ClientResult({key: out[key] for key in state}, weighted_sum(client_losses, client_sizes) / max(sum(client_sizes), 1),
+                                    len(client_sizes)))
     return results, time.perf_counter() - start
+
 
 
 # =============================================================================== the engine's batch handler

@@ -7,7 +7,9 @@ Imports neither Flower nor hydra.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from fedmm.settings import Bool, Choice, Int, ListOf, Nullable, Number, Settings, setting
 
@@ -52,3 +54,22 @@ def round_lr(training: TrainingSettings, server_round: int) -> float:
     passed = sum(1 for r in training.lr_decay_rounds if server_round >= r)
     decayed = float(training.lr_round_decay) ** (server_round - 1) if training.lr_round_decay != 1.0 else 1.0
     return float(training.lr) * float(training.lr_decay_factor) ** passed * decayed
+
+
+def host_values(values: Sequence[Any]) -> list[float]:
+    """Scalar tensors a training loop kept on the device (so that no step waits for the device to
+    report one) as floats, read in one transfer."""
+    if not values:
+        return []
+    import torch
+
+    return torch.stack([value.reshape(()) for value in values]).cpu().tolist()
+
+
+def weighted_sum(values: Sequence[float], weights: Sequence[float] | None = None) -> float:
+    """``values`` (times ``weights``) added in their order in double precision: the arithmetic of
+    adding ``float(value) * weight`` step after step."""
+    total = 0.0
+    for i, value in enumerate(values):
+        total += value * weights[i] if weights is not None else value
+    return total

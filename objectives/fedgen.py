@@ -11,6 +11,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fedmm.settings import Choice, Int, MapOf, Nullable, Number, setting
+from fedmm.training import host_values, weighted_sum
 from objectives.base import LocalUpdate, ObjectiveSettings, frozen, require_strategy
 
 #: ArrayRecord of a FedGen train message (from round 2): the generator's state_dict.
@@ -89,8 +90,8 @@ class FedGenClient(LocalUpdate):
         self.alpha = self._weight("generative_alpha", "alpha_by_dataset", "default_alpha", server_round)
         self.beta = self._weight("generative_beta", "beta_by_dataset", "default_beta", server_round)
         self.gen_batch = int(self.params.gen_batch_size)
-        self._kl_sum = self._gen_sum = 0.0
-        self._batches = 0
+        self._kl_terms: list[torch.Tensor] = []  # kept on the device, read once by metrics()
+        self._gen_terms: list[torch.Tensor] = []
 
     def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self.counts += torch.bincount(y.detach().cpu(), minlength=self.num_classes)
@@ -110,9 +111,8 @@ class FedGenClient(LocalUpdate):
         with torch.no_grad():
             z_hat, _ = self.generator(y_hat)
         gen_ce = F.cross_entropy(model.classify(z_hat), y_hat)
-        self._kl_sum += float(kl.detach())
-        self._gen_sum += float(gen_ce.detach())
-        self._batches += 1
+        self._kl_terms.append(kl.detach())
+        self._gen_terms.append(gen_ce.detach())
         return loss + self.beta * kl + self.alpha * gen_ce, logits
 
     def end(self, model: nn.Module) -> dict[str, Any]:
@@ -126,5 +126,6 @@ class FedGenClient(LocalUpdate):
 
     def metrics(self) -> dict[str, float]:
         """The generator terms' mean values of the round (0 in round 1)."""
-        n = max(self._batches, 1)
-        return {"fedgen_kl": self._kl_sum / n, "fedgen_ce": self._gen_sum / n}
+        n = max(len(self._kl_terms), 1)
+        return {"fedgen_kl": weighted_sum(host_values(self._kl_terms)) / n,
+                "fedgen_ce": weighted_sum(host_values(self._gen_terms)) / n}

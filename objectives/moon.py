@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fedmm.settings import Choice, Int, Nullable, Number, setting
+from fedmm.training import host_values, weighted_sum
 from objectives.base import LocalUpdate, ObjectiveSettings, frozen, mu_settings
 
 #: ``Context.state`` ArrayRecord: the model this node finished its last round with.
@@ -98,7 +99,7 @@ class Moon(LocalUpdate):
             elif mode == "init" and server_round > 1:
                 self.negative = frozen(self._initial_network(model))
         self.age = int(self.state[AGE_STATE]["rounds"]) if AGE_STATE in self.state else 0
-        self._con_sum, self._batches = 0.0, 0
+        self._con_terms: list[torch.Tensor] = []  # kept on the device, read once by metrics()
 
     def _initial_network(self, model: nn.Module) -> nn.Module:
         """This node's own random initialisation (seeded by the run seed and the node)."""
@@ -123,8 +124,7 @@ class Moon(LocalUpdate):
             z_global = self.global_model.latent(x)
             negatives = [self.negative.latent(x)] if self.negative is not None else []
         con = contrastive_loss(z, z_global, negatives, self.tau)
-        self._con_sum += float(con.detach())
-        self._batches += 1
+        self._con_terms.append(con.detach())
         return ce + self._mu * con, logits
 
     def end(self, model: nn.Module) -> dict[str, Any]:
@@ -139,4 +139,5 @@ class Moon(LocalUpdate):
 
     def metrics(self) -> dict[str, float]:
         """The mean contrastive loss, and how many rounds this node has kept a previous model."""
-        return {CONTRASTIVE: self._con_sum / max(self._batches, 1), AGE: float(self.age + 1)}
+        terms = self._con_terms
+        return {CONTRASTIVE: weighted_sum(host_values(terms)) / max(len(terms), 1), AGE: float(self.age + 1)}

@@ -69,24 +69,31 @@ OBJECTIVES = {
 ROUND = 3
 
 
-def datas_for(model_name: str, sizes: list[int]) -> list[TensorData]:
+def in_float64(model_name: str, device: torch.device) -> bool:
+    """Compared in float64: the models of :data:`IN_FLOAT64`, and every model on CUDA (cuDNN
+    chooses among convolution algorithms, FFT and Winograd among them, whose float32 error alone
+    exceeds the comparison's 1e-5; in float64 TF32 does not apply either)."""
+    return model_name in IN_FLOAT64 or device.type == "cuda"
+
+
+def datas_for(model_name: str, sizes: list[int], device: torch.device = CPU) -> list[TensorData]:
     spec = SPECS[model_name]
     datas = [client_data(n, 10 + i, spec.shape) for i, n in enumerate(sizes)]
-    if model_name in IN_FLOAT64:  # the same rows, normalized once, as float64 model inputs
+    if in_float64(model_name, device):  # the same rows, normalized once, as float64 model inputs
         datas = [TensorData(x=d.transform.prepare(CPU)(d.x).double(), y=d.y, transform=Identity()) for d in datas]
     return datas
 
 
-@functools.lru_cache(maxsize=1)
-def _built(model_name: str) -> torch.nn.Module:
+@functools.lru_cache(maxsize=2)
+def _built(model_name: str, double: bool) -> torch.nn.Module:
     torch.manual_seed(0)
     model = build_model(model_name, SPECS[model_name])
-    return model.double() if model_name in IN_FLOAT64 else model
+    return model.double() if double else model
 
 
-def make_model(model_name: str) -> torch.nn.Module:
+def make_model(model_name: str, device: torch.device = CPU) -> torch.nn.Module:
     """The model, initialised once per test file (vgg16's 33.6 M parameters take a while); a copy each call."""
-    return copy.deepcopy(_built(model_name))
+    return copy.deepcopy(_built(model_name, in_float64(model_name, device)))
 
 
 def node_records(objective: str, model: torch.nn.Module, client: int) -> tuple[dict, dict]:
@@ -114,13 +121,13 @@ def node_records(objective: str, model: torch.nn.Module, client: int) -> tuple[d
     return content, state
 
 
-def objectives_for(objective: str, model_name: str, states, records: list[tuple[dict, dict]]) -> list:
+def objectives_for(objective: str, model_name: str, states, records: list[tuple[dict, dict]], device: torch.device = CPU) -> list:
     """Each client's objective, begun on its received model (as the ClientApp begins it), with
     its records (``node_records``; records are only read, so both paths share them)."""
     from flwr.app import RecordDict
 
     run = composed(*OBJECTIVES[objective])
-    held = make_model(model_name)
+    held = make_model(model_name, device)
     updates = []
     for start, (content, kept) in zip(states, records):
         held.load_state_dict(start)
@@ -145,26 +152,28 @@ def reply_records(update, model: torch.nn.Module) -> dict[str, np.ndarray]:
 
 
 def assert_pair(model_name: str, objective: str, training: TrainingSettings = TRAINING, sizes: list[int] = SIZES,
-                vector_seeds: list[int] | None = None) -> None:
+                vector_seeds: list[int] | None = None, device: torch.device = CPU) -> None:
+    """Both paths on ``device`` (on CUDA: in float64, :func:`in_float64`), each client's results
+    compared within 1e-5 relative."""
     seeds = [1 + i for i in range(len(sizes))]
-    model = make_model(model_name)
+    model = make_model(model_name, device)
     states = starting_states(model, len(sizes))
-    datas = datas_for(model_name, sizes)
+    datas = datas_for(model_name, sizes, device)
     records = [node_records(objective, model, client) for client in range(len(sizes))]
     # the sequential loop, one client after another (the ClientApp's path)
     want = []
-    for update, state, data, seed in zip(objectives_for(objective, model_name, states, records), states, datas, seeds):
-        client = make_model(model_name)
+    for update, state, data, seed in zip(objectives_for(objective, model_name, states, records, device), states, datas, seeds):
+        client = make_model(model_name, device)
         client.load_state_dict(state)
-        torch.manual_seed(seed)  # dropout draws from the global generator
-        loss, _ = train_epochs(client, data, update, training, ROUND, torch.Generator().manual_seed(seed), CPU)
+        torch.manual_seed(seed)  # dropout draws from the global generator (and CUDA's)
+        loss, _ = train_epochs(client, data, update, training, ROUND, torch.Generator().manual_seed(seed), device)
         want.append(({n: v.detach().clone() for n, v in client.state_dict().items()}, loss, reply_records(update, client)))
     # all clients as one computation
-    updates = objectives_for(objective, model_name, states, records)
+    updates = objectives_for(objective, model_name, states, records, device)
     vector_seeds = vector_seeds or seeds
     got, _ = train_stacked(model, states, datas, training, ROUND, [torch.Generator().manual_seed(s) for s in vector_seeds],
-                           CPU, updates, dropout_seeds=vector_seeds)
-    held = make_model(model_name)
+                           device, updates, dropout_seeds=vector_seeds)
+    held = make_model(model_name, device)
     for client, ((state, loss, records), result, update) in enumerate(zip(want, got, updates)):
         assert set(result.state) == set(state)
         for key, value in state.items():
@@ -244,3 +253,83 @@ def test_padded_rows_that_reach_the_loss_are_caught(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(base, "mean_over_rows", lambda per_row, rows: per_row.mean())
     with pytest.raises(AssertionError):
         assert_pair("lenet", "ce")
+
+
+def assert_dropout_masks_replayed(device: torch.device, replay_seed: int = 7) -> None:
+    """vgg16's dropout masks as the stacked step draws them (``_Dropouts``) against the ones its
+    forward pass in training mode applied, step after step, after ``torch.manual_seed(7)`` as the
+    ClientApp seeds: for every dropout call, the layer's output equals its input times the mask
+    exactly (``replay_seed``: the seed the replay is given)."""
+    from torch import nn
+
+    from client_app.vectorized import _architecture, _Dropouts
+
+    torch.manual_seed(0)
+    model = build_model("vgg16", CIFAR).to(device).train()
+    applied: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for module in model.modules():
+        if type(module) is nn.Dropout:
+            module.register_forward_hook(lambda m, inputs, output: applied.append((inputs[0], output)))
+    gen = torch.Generator().manual_seed(5)
+    batches = [torch.randn(3, 3, 32, 32, generator=gen).to(device) for _ in range(3)]
+    torch.manual_seed(7)
+    with torch.no_grad():
+        for x in batches:
+            model(x)
+    replay = _Dropouts(_architecture(model), [replay_seed], device)
+    masks = [mask[0] for x in batches for mask in replay.masks([0], x.unsqueeze(0), device)]
+    assert len(masks) == len(applied) == 3 * 2  # two dropout layers, three steps
+    for call, ((inputs, output), mask) in enumerate(zip(applied, masks)):
+        assert torch.equal(inputs * mask, output), f"dropout call {call}: the replayed mask is not the forward pass's"
+
+
+def test_the_dropout_masks_are_the_forward_passes_own() -> None:
+    """The replay is exact on the CPU (tests/test_cuda.py checks it on CUDA), and the check can
+    fail: a replay from another seed is caught."""
+    assert_dropout_masks_replayed(CPU)
+    with pytest.raises(AssertionError, match="dropout call 0"):
+        assert_dropout_masks_replayed(CPU, replay_seed=8)
+
+
+def host_reads(fn) -> dict[str, int]:  # noqa: ANN001
+    """How often ``fn()`` reads a tensor's value into Python (each a wait for the device on CUDA),
+    by the method that read it."""
+    import collections
+
+    counts: collections.Counter = collections.Counter()
+    held = {}
+    for name in ("__float__", "__int__", "__bool__", "__index__", "item", "tolist", "cpu", "numpy"):
+        real = held[name] = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _real=real, _name=name, **kwargs):  # noqa: ANN001, ANN002, ANN003
+            counts[_name] += 1
+            return _real(self, *args, **kwargs)
+
+        setattr(torch.Tensor, name, counted)
+    try:
+        fn()
+    finally:
+        for name, real in held.items():
+            setattr(torch.Tensor, name, real)
+    return dict(counts)
+
+
+def assert_one_read_per_call(device: torch.device) -> None:
+    """Both training paths, 2 epochs of 5 batches (3 clients stacked): the losses are read from
+    the device once, after the last step (``.cpu()`` then ``.tolist()``), never per step."""
+    model = build_model("lenet", MNIST)
+    states = starting_states(model, 3)  # on the host, before the model moves to the device
+    training = TrainingSettings().replace(local_epochs=2, batch_size=8)
+    datas = [client_data(40, 1 + c, MNIST.shape) for c in range(3)]
+    one = host_reads(lambda: train_epochs(model, datas[0], build_local_update(composed()), training, 1,
+                                          torch.Generator().manual_seed(0), device))
+    stacked = host_reads(lambda: train_stacked(model, states, datas, training, 1,
+                                               [torch.Generator().manual_seed(c) for c in range(3)], device,
+                                               [build_local_update(composed()) for _ in range(3)]))
+    assert one == stacked == {"cpu": 1, "tolist": 1}, (one, stacked)
+
+
+def test_the_training_loops_read_the_losses_once_per_call() -> None:
+    """No host read per step where the loss is only reported (on CUDA each would make the GPU
+    wait on the host; tests/test_cuda.py runs the same there)."""
+    assert_one_read_per_call(CPU)
