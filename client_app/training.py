@@ -11,7 +11,7 @@ runs it on a machine with PyTorch only); :func:`train` adds the reply's metric n
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -31,25 +31,56 @@ def train_epochs(
     device: torch.device,
 ) -> tuple[float, float]:
     """Run ``local_epochs`` (or ``local_steps`` steps) of SGD through ``update``; return (mean
-    training loss, seconds)."""
+    training loss, seconds).
+
+    Every step is the same, whatever the objective: its gradient (:meth:`LocalUpdate.gradient`),
+    its correction (:meth:`LocalUpdate.correct_gradient`), its clipping
+    (:meth:`LocalUpdate.gradient_clip`), ``training.clip_grad_norm``, then SGD with its arguments
+    (:meth:`LocalUpdate.optimizer_args`); after the last step the objective is told how many
+    there were (:meth:`LocalUpdate.finish_steps`). The stacked path
+    (:func:`client_app.vectorized.train_stacked`) takes the same steps for several clients."""
     start = time.perf_counter()
     training = update.local_training(training)
     model.to(device).train()
     update.begin(model, server_round)
     optimizer = torch.optim.SGD(model.parameters(), **update.optimizer_args(training, round_lr(training, server_round)))
-    if training.clip_grad_norm is not None:  # before every step, whatever the objective's step does
-        trained = [p for p in model.parameters() if p.requires_grad]
-        max_norm = float(training.clip_grad_norm)
-
-        def clip(*_: object) -> None:
-            torch.nn.utils.clip_grad_norm_(trained, max_norm)
-
-        optimizer.register_step_pre_hook(clip)
-    losses, sizes = [], []
-    for x, y in local_batches(data, training, generator, device):
-        losses.append(update.step(model, optimizer, x, y).detach())  # kept on the device: no wait per step
-        sizes.append(len(y))
+    losses, sizes = sgd_steps(model, update, optimizer, local_batches(data, training, generator, device),
+                              None if training.clip_grad_norm is None else float(training.clip_grad_norm))
     return mean_loss(losses, sizes), time.perf_counter() - start
+
+
+def sgd_steps(model: nn.Module, update: LocalUpdate, optimizer: torch.optim.Optimizer,
+              batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+              max_norm: float | None = None) -> tuple[list[torch.Tensor], list[int]]:
+    """The loop's step on each batch, then :meth:`LocalUpdate.finish_steps` with their number and
+    the optimizer's learning rate; (the batches' losses, kept on the device; their sizes).
+
+    A step: the gradient (:meth:`LocalUpdate.gradient`), its correction
+    (:meth:`LocalUpdate.correct_gradient`, a missing gradient read as zeros), the objective's
+    clipping (:meth:`LocalUpdate.gradient_clip`), ``max_norm`` (``training.clip_grad_norm``), both
+    over the trainable parameters' global L2 norm, then ``optimizer.step()``."""
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    trained = [p for _, p in named]
+    corrects = type(update).correct_gradient is not LocalUpdate.correct_gradient
+    objective_clip = update.gradient_clip()
+    losses, sizes = [], []
+    for x, y in batches:
+        optimizer.zero_grad(set_to_none=True)
+        loss = update.gradient(model, x, y)
+        if corrects:
+            grads = {name: p.grad if p.grad is not None else torch.zeros_like(p) for name, p in named}
+            corrected = update.correct_gradient(grads, update.tensors())
+            for name, p in named:
+                p.grad = corrected[name]
+        if objective_clip is not None:
+            torch.nn.utils.clip_grad_norm_(trained, objective_clip)
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(trained, max_norm)
+        optimizer.step()
+        losses.append(loss.detach())  # kept on the device: no wait per step
+        sizes.append(len(y))
+    update.finish_steps(len(sizes), float(optimizer.param_groups[0]["lr"]))
+    return losses, sizes
 
 
 def mean_loss(losses: list[torch.Tensor], sizes: list[int]) -> float:

@@ -287,8 +287,11 @@ class LocalGrid(Grid):
     exception its ClientApp call would have raised (an error reply, as above), or None for "this
     one alone" (it goes through the ClientApp as usual), or None instead of the list for "each
     alone". Each message is delivered as
-    one alone would be (its TTL, its own records, its node's context, kept only on success); the
-    handler is fedmm's own code, not the ClientApp's mods.
+    one alone would be (its TTL, its own records, its node's context, kept only on success). The
+    batch handler stands for the ClientApp's train handler itself: a ClientApp whose train messages
+    pass through mods (``ClientApp(mods=...)`` or ``@app.train(mods=...)``: Flower's clipping and
+    local-DP mods, say) is never batched; every message goes through ``ClientApp.__call__`` and
+    its mods, one at a time (said once in the log).
     """
 
     def __init__(self, client_app: ClientApp, num_supernodes: int, run: Run | None = None,
@@ -325,8 +328,12 @@ class LocalGrid(Grid):
         #: The clients' side of the global random generators (see :class:`RandomStates`).
         self._client_random: RandomStates | None = None
         self.messages_handled = 0
-        #: The ClientApp's handler of several train messages at once (see the class docstring).
-        self.train_batch = train_batch
+        #: The ClientApp's handler of several train messages at once (see the class docstring); None
+        #: when the ClientApp's train messages pass through mods, which it would skip.
+        self.train_batch = train_batch if train_batch is None or not train_mods(client_app) else None
+        if train_batch is not None and self.train_batch is None:
+            log(INFO, "In-process simulation: the ClientApp's train handler has mods; its train messages are "
+                "delivered one at a time through them (never batched)")
 
     # ------------------------------------------------------------------ Grid API
     def set_run(self, run: Run) -> None:
@@ -573,6 +580,16 @@ class LocalGrid(Grid):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def train_mods(client_app: ClientApp) -> bool:
+    """Whether ``client_app``'s default train messages pass through mods: the app's own
+    (``ClientApp(mods=...)``) or the handler's (``@app.train(mods=...)``), which Flower wraps
+    around the handler with :func:`flwr.client.mod.utils.make_ffn`."""
+    from flwr.client.mod.utils import make_ffn
+
+    handler = client_app._registered_funcs.get(f"{MessageType.TRAIN}.default")  # noqa: SLF001 - Flower keeps them there
+    return bool(client_app._mods) or (handler is not None and handler.__module__ == make_ffn.__module__)  # noqa: SLF001
 
 
 # =============================================================================== the runtime

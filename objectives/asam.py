@@ -58,16 +58,16 @@ def asam_perturbation(
 
 
 class ASAM(LocalUpdate):
-    """FedASAM / FedSAM's client step (Caldarola, Caputo, Ciccone, ECCV 2022): per batch, a
+    """FedASAM / FedSAM's client gradient (Caldarola, Caputo, Ciccone, ECCV 2022): per batch, a
     forward-backward at w, the ascent e (:func:`asam_perturbation`), a second forward-backward on
-    the same batch at w + e, w restored, then the base SGD step (momentum and weight decay act on
-    the second gradient). BatchNorm statistics are updated by both passes, as the reference code
+    the same batch at w + e, w restored; the loop's SGD step then acts on the second gradient
+    (momentum and weight decay too). BatchNorm statistics are updated by both passes, as the reference code
     does. The server is FedAvg."""
 
     Settings = ASAMSettings
 
-    def step(self, model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        optimizer.zero_grad(set_to_none=True)
+    def gradient(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The gradient at w + e (two passes on the batch); returns the loss at w."""
         loss, _ = self.loss(model, x, y)
         loss.backward()
         named = [(n, p, p.grad) for n, p in model.named_parameters() if p.requires_grad]
@@ -76,12 +76,12 @@ class ASAM(LocalUpdate):
             for (_, p, _), e in zip(named, shifts):
                 if e is not None:
                     p.add_(e)
-        optimizer.zero_grad(set_to_none=True)
+        for p in model.parameters():
+            p.grad = None
         perturbed, _ = self.loss(model, x, y)
         perturbed.backward()
         with torch.no_grad():
             for (_, p, _), e in zip(named, shifts):
                 if e is not None:
                     p.sub_(e)
-        optimizer.step()
         return loss

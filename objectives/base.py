@@ -12,19 +12,25 @@ One instance serves one train message. Through it a method can
 - keep per-node state across rounds in Flower's ``Context.state`` (``self.state``, a
   ``RecordDict``). It lives in the node's memory: in simulation for the whole run, on a deployed
   SuperNode until the SuperNode process restarts (a restart, like a resumed run, starts it empty);
-- define the loss of a batch (:meth:`LocalUpdate.loss`);
-- replace the optimizer step (:meth:`LocalUpdate.step`: two passes, gradient correction);
+- define the loss of a batch (:meth:`LocalUpdate.batch_loss`; :meth:`LocalUpdate.loss` for a
+  loss that reads the model its own way) and change its gradient (:meth:`LocalUpdate.correct_gradient`,
+  :meth:`LocalUpdate.gradient_clip`; :meth:`LocalUpdate.gradient` for two passes, SAM);
 - add records to the reply (:meth:`LocalUpdate.end`) and metrics (:meth:`LocalUpdate.metrics`).
+
+The optimizer step is the training loop's, the same on both paths, done once: the gradient
+(:meth:`~LocalUpdate.gradient`), its correction, the objective's clipping, ``training.clip_grad_norm``,
+then SGD; the loop counts the steps and tells the objective (:meth:`~LocalUpdate.finish_steps`).
 
 An objective whose batch loss is :meth:`LocalUpdate.batch_loss` (and whose gradient change, if
 any, is :meth:`LocalUpdate.correct_gradient`) declares ``vectorized = True``: the in-process
 engine then trains a round's clients of it as one computation (:mod:`client_app.vectorized`)
 through the same two methods, with each client's own tensors (:meth:`LocalUpdate.tensors`)
 stacked. The declaration is not inherited: an objective that overrides :meth:`loss` or
-:meth:`step` in its own way trains one client at a time unless it says otherwise.
+:meth:`gradient` in its own way trains one client at a time unless it says otherwise.
 
-The training loop (:func:`client_app.training.train`) calls :meth:`begin` once with the model as
-received, :meth:`step` for every batch, and :meth:`end` after the last one.
+The training loop (:func:`client_app.training.train_epochs`) calls :meth:`begin` once with the
+model as received, :meth:`gradient` for every batch (then steps), :meth:`finish_steps` after the
+last, and the ClientApp calls :meth:`end`.
 
 This package is the client's half of a method: the ClientApp imports it to train; the ServerApp
 only to validate the ``objective`` group (it never calls it). It imports nothing of either app.
@@ -137,13 +143,13 @@ class LocalUpdate:
         self.batches_seen = index + 1
         return self.batch_loss(model, None, self.tensors(), x, y, index)
 
-    def step(self, model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """One optimizer step on a batch; returns the batch loss. Override for two-pass steps
-        (SAM); a gradient correction (SCAFFOLD) is :meth:`correct_gradient`."""
-        optimizer.zero_grad(set_to_none=True)
+    def gradient(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The batch's gradient into the parameters' ``.grad`` (cleared before the call); returns
+        the batch loss. One backward pass of :meth:`loss`; override for two passes (SAM). A
+        change of the gradient (SCAFFOLD's correction) is :meth:`correct_gradient`; the step is
+        the loop's."""
         loss, _ = self.loss(model, x, y)
         loss.backward()
-        optimizer.step()
         return loss
 
     # ------------------------------------------------------------------ the loss, once for both paths
@@ -177,8 +183,8 @@ class LocalUpdate:
         return None
 
     def finish_steps(self, steps: int, lr: float) -> None:
-        """Told, when the clients trained together, how many optimizer steps this client took
-        and with what learning rate (the one-client loop's :meth:`step` sees them itself)."""
+        """Told by the training loop, after the last batch, how many optimizer steps this client
+        took and with what learning rate (both paths)."""
 
     def end(self, model: nn.Module) -> dict[str, Any]:
         """Extra records of the reply, by name (besides ``arrays`` and ``metrics``)."""

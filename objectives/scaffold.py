@@ -118,23 +118,6 @@ class Scaffold(LocalUpdate):
         """``clip_norm``, on the corrected gradient."""
         return float(self.params.clip_norm) if self.params.clip_norm else None
 
-    def step(self, model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """One SGD step on the corrected gradient."""
-        optimizer.zero_grad(set_to_none=True)
-        loss, _ = self.loss(model, x, y)
-        loss.backward()
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        grads = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in named}
-        corrected = self.correct_gradient(grads, self.tensors())
-        for n, p in named:
-            p.grad = corrected[n]
-        clip = self.gradient_clip()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_([p for _, p in named], clip)
-        optimizer.step()
-        self.finish_steps(self.steps + 1, float(optimizer.param_groups[0]["lr"]))
-        return loss
-
     def finish_steps(self, steps: int, lr: float) -> None:
         """The steps taken and the round's lr, for c_i⁺."""
         self.steps, self.lr_used = steps, lr

@@ -40,7 +40,7 @@ def test_perturbation_matches_a_hand_computation() -> None:
     assert torch.allclose(ew, 0.1 * gw / n) and torch.allclose(eb, 0.1 * gb / n)
 
 
-def test_step_takes_the_gradient_at_the_perturbed_point_from_the_restored_weights() -> None:
+def test_the_gradient_is_taken_at_the_perturbed_point_and_the_weights_restored() -> None:
     x, y = torch.tensor([[1.0, 1.0], [2.0, -1.0]]), torch.tensor([0, 0])
     params = {"rho": 0.7, "eta": 0.2, "adaptive": True}
     update = ASAM({"objective": {"name": "asam", **params}})
@@ -61,16 +61,16 @@ def test_step_takes_the_gradient_at_the_perturbed_point_from_the_restored_weight
         for p, w, ei in zip(shifted.parameters(), w0, e):
             p.copy_(w + ei)
     g2 = torch.autograd.grad(nn.functional.cross_entropy(shifted(x), y), list(shifted.parameters()))
-    # lr 0: the weights after the step are exactly the received ones (w + e − e restored)
-    frozen = torch.optim.SGD(model.parameters(), lr=0.0)
-    update.step(model, frozen, x, y)
+    # the gradient left in .grad is g' (at w + e), the weights are exactly w again (w + e − e)
+    returned = update.gradient(model, x, y)
     assert all(torch.equal(p, w) for p, w in zip(model.parameters(), w0))
-    # lr 0.1: w − 0.1·g' (the base step uses the perturbed gradient, from w)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    returned = update.step(model, opt, x, y)
+    for p, gp in zip(model.parameters(), g2):
+        assert torch.allclose(p.grad, gp, atol=1e-6)
+    assert float(returned) == pytest.approx(float(loss))  # the reported loss is the one at w
+    # the loop's step then uses it: w − 0.1·g' from w
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
     for p, w, gp in zip(model.parameters(), w0, g2):
         assert torch.allclose(p, w - 0.1 * gp, atol=1e-6)
-    assert float(returned) == pytest.approx(float(loss))  # the reported loss is the one at w
 
 
 @pytest.mark.parametrize(("preset", "rho", "eta", "adaptive"),

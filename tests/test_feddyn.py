@@ -10,6 +10,7 @@ import torch
 from flwr.app import ConfigRecord, MetricRecord, RecordDict
 from torch import nn
 
+from client_app.training import sgd_steps
 from fedmm.config import compose
 from fedmm.errors import ConfigError
 from fedmm.protocol import model_to_record, record_to_model
@@ -76,8 +77,8 @@ def node_objective(states: dict, alpha: float = ALPHA):
         update.begin(model, int(msg.content["config"]["x"]))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         gen = torch.Generator().manual_seed(part)
-        for _ in range(3):
-            update.step(model, opt, torch.randn(8, 4, generator=gen) + part, torch.randint(0, 3, (8,), generator=gen))
+        sgd_steps(model, update, opt, [(torch.randn(8, 4, generator=gen) + part, torch.randint(0, 3, (8,), generator=gen))
+                                       for _ in range(3)])
         update.end(model)
         arrays = model_to_record({k: v.detach().numpy() for k, v in model.state_dict().items()})
         return RecordDict({"arrays": arrays, "metrics": MetricRecord({"num-examples": 8.0})})

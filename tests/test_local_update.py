@@ -141,18 +141,22 @@ class CountingSettings(ObjectiveSettings):
 
 
 class CountingUpdate(LocalUpdate):
-    """An objective that uses every hook: reads an extra record, keeps state across rounds, replaces
-    the optimizer step, adds a reply record."""
+    """An objective that uses every hook: reads an extra record, keeps state across rounds, takes
+    the batches' gradients itself, is told the steps, adds a reply record."""
 
     Settings = CountingSettings
 
     def begin(self, model, server_round):
         self.offset = float(self.content["extra"]["offset"])  # an extra record of the train message
-        self.steps = 0
+        self.gradients = self.steps = 0
 
-    def step(self, model, optimizer, x, y):
-        self.steps += 1
-        return super().step(model, optimizer, x, y)
+    def gradient(self, model, x, y):
+        self.gradients += 1
+        return super().gradient(model, x, y)
+
+    def finish_steps(self, steps, lr):
+        assert steps == self.gradients  # the loop took a step for every gradient
+        self.steps = steps
 
     def end(self, model):
         from flwr.app import Array, ArrayRecord, ConfigRecord

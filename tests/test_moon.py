@@ -10,6 +10,7 @@ import pytest
 import torch
 from flwr.app import RecordDict
 
+from client_app.training import sgd_steps
 from objectives.base import build_local_update
 from objectives import moon
 from objectives.moon import Moon, contrastive_loss
@@ -47,8 +48,7 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
 def train_round(update: Moon, model: torch.nn.Module, server_round: int, steps: int = 2) -> None:
     update.begin(model, server_round)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for _ in range(steps):
-        update.step(model, opt, *batch())
+    sgd_steps(model, update, opt, [batch() for _ in range(steps)])
     update.end(model)
 
 
@@ -68,7 +68,7 @@ def test_frozen_models_get_no_gradient_and_the_previous_model_is_kept() -> None:
     assert all(torch.equal(second.negative.state_dict()[k], previous[k]) for k in previous)
     frozen = [{k: v.clone() for k, v in m.state_dict().items()} for m in (second.global_model, second.negative)]
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    second.step(model, opt, *batch())
+    sgd_steps(model, second, opt, [batch()])
     for net, before in zip((second.global_model, second.negative), frozen):
         assert not net.training
         assert all(p.grad is None and not p.requires_grad for p in net.parameters())

@@ -13,6 +13,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from client_app.training import sgd_steps
 from fedmm import protocol, secure_protocol
 from fedmm.secure import PROTOCOL_LABEL, SecureError, keypair, pair_key
 
@@ -81,7 +82,7 @@ def test_scaffold_step_adds_c_minus_c_i_to_the_gradient() -> None:
     loss = torch.nn.functional.cross_entropy(model(x), y)
     grads = torch.autograd.grad(loss, list(model.parameters()))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.0)
-    update.step(model, optimizer, x, y)
+    sgd_steps(model, update, optimizer, [(x, y)])
     for (name, p), g in zip(model.named_parameters(), grads):
         expected = w0[name] - 0.1 * (g + 0.5 - 0.2)
         torch.testing.assert_close(p.detach(), expected, rtol=1e-5, atol=1e-6)

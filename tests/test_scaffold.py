@@ -10,6 +10,7 @@ import torch
 from flwr.app import ConfigRecord, MetricRecord, RecordDict
 from torch import nn
 
+from client_app.training import sgd_steps
 from objectives.base import LocalUpdate
 from objectives import scaffold as scaffold_client
 from objectives.scaffold import Scaffold
@@ -54,10 +55,11 @@ class Nodes:
         update.begin(model, int(msg.content["config"]["x"]))
         opt = torch.optim.SGD(model.parameters(), **update.optimizer_args(self.training, 0.1))
         gen = torch.Generator().manual_seed(part)
+        batches = []
         for _ in range(3):
             x = torch.randn(8, 4, generator=gen) + part
-            y = torch.randint(0, 3, (8,), generator=gen)
-            update.step(model, opt, x, y)
+            batches.append((x, torch.randint(0, 3, (8,), generator=gen)))
+        sgd_steps(model, update, opt, batches)
         extra = update.end(model)
         arrays = model_to_record({k: v.detach().numpy() for k, v in model.state_dict().items()})
         return RecordDict({"arrays": arrays, "metrics": MetricRecord({"num-examples": 8.0, **update.metrics()}), **extra})

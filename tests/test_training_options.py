@@ -52,30 +52,43 @@ def test_local_steps_budget_and_drop_last() -> None:
     assert sorted(torch.cat(seen[:3]).tolist()) == sorted(data.y.tolist())
 
 
-class Recorder(LocalUpdate):
-    """Records the gradient norm each optimizer step applies."""
+class Steep(LocalUpdate):
+    """A gradient far above the clipping norm (the loss times 1000)."""
 
-    norms: list[float]
-
-    def step(self, model, optimizer, x, y):
-        optimizer.zero_grad(set_to_none=True)
+    def gradient(self, model, x, y):
         loss, _ = self.loss(model, x, y)
-        (loss * 1000).backward()  # a gradient far above the clipping norm
-        self.norms = getattr(self, "norms", [])
-        optimizer.step()
-        self.norms.append(float(torch.sqrt(sum((p.grad**2).sum() for p in model.parameters()))))
+        (loss * 1000).backward()
         return loss
+
+
+def applied_norms(fn) -> list[float]:  # noqa: ANN001
+    """The gradient norm every SGD step of ``fn()`` applies (read by a hook on torch's optimizers,
+    just before each step)."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    norms: list[float] = []
+
+    def record(optimizer, args, kwargs):  # noqa: ANN001, ANN202
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        norms.append(float(torch.sqrt(sum((g**2).sum() for g in grads))))
+
+    handle = register_optimizer_step_pre_hook(record)
+    try:
+        fn()
+    finally:
+        handle.remove()
+    return norms
 
 
 def test_clip_grad_norm_bounds_every_step_of_any_objective() -> None:
     run = compose(["training.clip_grad_norm=10", "training.local_epochs=1", "training.batch_size=8"])
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 3))
-    update = Recorder(run)
-    train(model, rows(24), update, run.training, 1, torch.Generator().manual_seed(0), torch.device("cpu"))
-    assert len(update.norms) == 3 and max(update.norms) == pytest.approx(10.0, rel=1e-4)
-    unclipped = Recorder(run)
-    train(model, rows(24), unclipped, run.training.replace(clip_grad_norm=None), 1, torch.Generator().manual_seed(0), torch.device("cpu"))
-    assert min(unclipped.norms) > 10
+    norms = applied_norms(lambda: train(model, rows(24), Steep(run), run.training, 1, torch.Generator().manual_seed(0),
+                                        torch.device("cpu")))
+    assert len(norms) == 3 and max(norms) == pytest.approx(10.0, rel=1e-4)
+    unclipped = applied_norms(lambda: train(model, rows(24), Steep(run), run.training.replace(clip_grad_norm=None), 1,
+                                            torch.Generator().manual_seed(0), torch.device("cpu")))
+    assert min(unclipped) > 10
 
 
 def test_options_are_validated_and_old_runs_resume_without_them() -> None:

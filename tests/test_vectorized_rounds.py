@@ -31,10 +31,10 @@ ON = "simulation.vectorize=on"
 
 
 # ------------------------------------------------------------------ the grid's side
-def counting_app() -> ClientApp:
-    app = ClientApp()
+def counting_app(app_mods: list | None = None, train_mods: list | None = None) -> ClientApp:
+    app = ClientApp(mods=app_mods)
 
-    @app.train()
+    @app.train(mods=train_mods)
     def train(msg: Message, context: Context) -> Message:
         n = int(context.state.config_records.get("count", ConfigRecord({"n": 0}))["n"]) + 1
         context.state["count"] = ConfigRecord({"n": n})
@@ -47,7 +47,7 @@ def counting_app() -> ClientApp:
     return app
 
 
-def serve(main: Any, train_batch: Any, nodes: int = 4) -> Any:
+def serve(main: Any, train_batch: Any, nodes: int = 4, app: ClientApp | None = None) -> Any:
     out: dict[str, Any] = {}
     server = ServerApp()
 
@@ -55,8 +55,36 @@ def serve(main: Any, train_batch: Any, nodes: int = 4) -> Any:
     def _main(grid: Grid, context: Context) -> None:
         out["result"] = main(grid)
 
-    run_local_simulation(server_app=server, client_app=counting_app(), num_supernodes=nodes, train_batch=train_batch)
+    run_local_simulation(server_app=server, client_app=app or counting_app(), num_supernodes=nodes, train_batch=train_batch)
     return out["result"]
+
+
+@pytest.mark.parametrize("where", ["app", "train handler"])
+def test_a_clientapp_with_mods_is_never_batched_its_mods_see_every_train_message(where: str) -> None:
+    """A ClientApp whose train messages pass through mods (Flower's clipping or local-DP mods,
+    say) is delivered one message at a time through ``ClientApp.__call__``: the batch handler,
+    which would skip the mods, is not called."""
+    seen: list[str] = []
+
+    def mod(msg: Message, context: Context, call_next: Any) -> Message:
+        seen.append(msg.metadata.message_type)
+        return call_next(msg, context)
+
+    batched: list[int] = []
+
+    def train_batch(messages: list[Message], contexts: list[Context]) -> list[Any] | None:
+        batched.append(len(messages))
+        return [Message(RecordDict({"m": MetricRecord({"together": 1})}), reply_to=m) for m in messages]
+
+    def main(grid: Grid) -> Any:
+        nodes = list(grid.get_node_ids())
+        msgs = [Message(RecordDict({"config": ConfigRecord({})}), node, "train") for node in nodes[:3]]
+        return grid.send_and_receive(msgs, timeout=30)
+
+    app = counting_app(app_mods=[mod]) if where == "app" else counting_app(train_mods=[mod])
+    replies = serve(main, train_batch, app=app)
+    assert batched == [] and seen == ["train"] * 3
+    assert all(dict(r.content["m"]) == {"n": 1, "alone": 1} for r in replies)
 
 
 def test_the_grid_hands_queued_train_messages_over_together_with_flowers_semantics() -> None:
