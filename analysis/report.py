@@ -53,29 +53,38 @@ import yaml
 from analysis.paper_numbers import PAPER_TABLES, PaperTable, PaperValue, Setting
 from fedmm.config import options
 from fedmm.results import SUMMARY_FILE, read_metrics
-from fedmm.settings import OtherSettings, Settings
+from fedmm.settings import OtherSettings, Settings, paired_objectives
 
 
 def declared_settings(cfg: dict[str, Any], group: str) -> Settings:
     """The settings of one group of a run's config, read leniently (a run written before a key
     existed gets its default; an option no longer declared keeps its values, labelled by name)."""
     values = dict(cfg.get(group) or {})
-    cls = options(group).get(values.get("name", "uniform" if group == "selection" else "ce" if group == "objective" else ""))
+    cls = options(group).get(values.get("name", DEFAULT_OPTION.get(group, "")))
     return cls.lenient(values) if cls is not None else OtherSettings(values=values)
+
+
+#: The groups a method's label is made of, and the option of each that a run written before the
+#: group existed had.
+GROUPS_LABELLED = ("strategy", "objective", "selection", "server_optimizer")
+DEFAULT_OPTION = {"selection": "uniform", "objective": "ce", "server_optimizer": "none"}
 
 
 def method_label(cfg: dict[str, Any]) -> str:
     """Readable method name of a run's config, derived from its settings declarations: the
     method's name (a declaration may name a variant: "Indep", "SCAFFOLD (lab)"), the client
     objective's, the selector's, and what differs from the defaults (each setting's ``label``)."""
-    strategy, objective, selection = (declared_settings(cfg, g) for g in ("strategy", "objective", "selection"))
+    strategy, objective, selection, optimizer = (declared_settings(cfg, g) for g in GROUPS_LABELLED)
     name = strategy.display
-    if objective.name != "ce" and objective.name not in getattr(strategy, "companions", {}).values():
+    selected = {*getattr(strategy, "companions", {}).values(), *paired_objectives(strategy.name)}
+    if objective.name != "ce" and objective.name not in selected:
         client = objective.display
         name = client if strategy.name == "fedavg" else f"{client} ({name})"
-    extras = strategy.label_parts() + objective.label_parts()
+    extras = strategy.label_parts() + objective.label_parts() + optimizer.label_parts()
     if selection.name != "uniform":
         name = selection.display if name == "FedAvg" else f"{name} + {selection.display}"
+    if optimizer.name != "none":
+        name = f"{name} + {optimizer.display}"
     return name + (f" ({', '.join(extras)})" if extras else "")
 
 

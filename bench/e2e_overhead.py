@@ -51,6 +51,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cases import CaseLog  # noqa: E402 - bench/cases.py
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from fedmm.observers import RunObserver  # noqa: E402
+
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -67,9 +70,9 @@ def mark(name: str) -> None:
 
 
 def install_phase_marks(ray_engine: bool = True) -> None:
-    """Mark Ray's start (``ray_engine``), the ServerApp's main, the strategy's start and end and
-    every round's end in this (child) process, by wrapping the functions that do them (never in
-    the files)."""
+    """Mark Ray's start (``ray_engine``) and Flower's own strategies' start and end in this
+    (child) process, by wrapping those (Ray's and Flower's) functions; this app's run is marked by
+    :class:`PhaseMarks`, an observer of the run."""
     import functools
 
     ray = None
@@ -79,18 +82,16 @@ def install_phase_marks(ray_engine: bool = True) -> None:
         except ImportError:
             pass
 
-    def around(owner: Any, name: str, before: str | None, after: str | None, per_round: bool = False) -> None:
+    def around(owner: Any, name: str, before: str, after: str) -> None:
         fn = getattr(owner, name)
 
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if before:
-                mark(before)
+            mark(before)
             try:
                 return fn(*args, **kwargs)
             finally:
-                if after:
-                    mark(after.format(args[1]) if per_round else after)
+                mark(after)
 
         setattr(owner, name, wrapper)
 
@@ -98,15 +99,25 @@ def install_phase_marks(ray_engine: bool = True) -> None:
         around(ray, "init", "ray_init_start", "ray_init_end")
     from flwr.serverapp.strategy import Strategy
 
-    around(Strategy, "start", "strategy_start", "strategy_end")  # Flower's own FedAvg
-    try:
-        from server_app import runner
-        from strategies.base import RoundLoopStrategy
-    except ImportError:
-        return
-    around(runner, "run_locked", "server_main", None)
-    around(RoundLoopStrategy, "start", "strategy_start", "strategy_end")
-    around(RoundLoopStrategy, "run_round", None, "round_{}_end", per_round=True)
+    around(Strategy, "start", "strategy_start", "strategy_end")  # Flower's own FedAvg (the anchor)
+
+
+class PhaseMarks(RunObserver):
+    """The marks of this app's run (:func:`phases`): its ServerApp's main, the strategy's start
+    and end, every round's training end (its aggregation done, before its evaluation)."""
+
+    def on_run_start(self, info: Any) -> None:
+        mark("server_main")
+
+    def on_strategy_start(self, strategy: Any) -> None:
+        mark("strategy_start")
+
+    def on_phase(self, server_round: int, phase: str, seconds: float) -> None:
+        if phase == "aggregate":
+            mark(f"round_{server_round}_end")
+
+    def on_strategy_end(self) -> None:
+        mark("strategy_end")
 
 
 def phases(marks: dict[str, float], rounds: int) -> dict[str, float]:
@@ -197,30 +208,30 @@ def per_round(seconds: dict[int, float], rounds: int) -> float | None:
 # --------------------------------------------------------------------------- (a) Flower
 
 
-class ServerTimers:
-    """Wall time of the server-side steps of ``run_experiment``, by round.
+class ServerTimers(RunObserver):
+    """Wall time of the server's phases of each round, an observer of the run (the phases the
+    strategy reports, :mod:`fedmm.observers`): ``select`` (the selector, with the roster query in
+    round 1), ``configure`` (the train messages), ``exchange`` (their send and the replies, each
+    decoded as it arrives), ``aggregate`` (the round's end), ``evaluate`` (the central evaluation),
+    ``evaluate_exchange`` (federated evaluation); and the clients' own ``train_time``, summed
+    over the updates aggregated."""
 
-    Filled by :func:`instrument_server`, which wraps (in the measuring process only, never in
-    the files) the strategy's ``configure_train``, its ``send`` (push, then wait for the replies,
-    each decoded as it arrives), ``finish_train`` (aggregation), the roster query and the central
-    evaluation; the clients' ``train_time`` metrics are summed as their replies arrive. A round's steps are attributed to
-    the round of the last ``configure_train`` (round 0: the initial evaluation).
-    """
-
-    STEPS = ("configure_train", "roster_query", "train_send_and_receive", "aggregate_train", "central_evaluate",
-             "other_send_and_receive")
+    STEPS = ("select", "configure", "exchange", "aggregate", "evaluate", "evaluate_exchange")
 
     def __init__(self) -> None:
-        self.round = 0
         self.seconds: dict[str, dict[int, float]] = {step: {} for step in self.STEPS}
         self.client_train_s: dict[int, float] = {}  # sum of the clients' own ``train_time`` metric
 
-    def add(self, step: str, seconds: float) -> None:
-        table = self.seconds[step]
-        table[self.round] = table.get(self.round, 0.0) + seconds
+    def on_phase(self, server_round: int, phase: str, seconds: float) -> None:
+        table = self.seconds.setdefault(phase, {})
+        table[server_round] = table.get(server_round, 0.0) + seconds
+
+    def on_aggregate(self, server_round: int, updates: Any) -> None:
+        total = sum(float(u.metrics.get("train_time", 0.0)) for u in updates)
+        self.client_train_s[server_round] = self.client_train_s.get(server_round, 0.0) + total
 
     def per_round(self, rounds: int, parallel: int) -> dict[str, float] | None:
-        """Mean seconds per round over rounds 2..rounds of every step (configure without the roster query)."""
+        """Mean seconds per round over rounds 2..rounds of every phase."""
         if rounds < 2:
             return None
         span = range(2, rounds + 1)
@@ -228,74 +239,14 @@ class ServerTimers:
         def mean(table: dict[int, float]) -> float:
             return sum(table.get(r, 0.0) for r in span) / len(span)
 
-        out = {step: mean(self.seconds[step]) for step in self.STEPS}
-        out["configure_train"] -= out.pop("roster_query")
+        out = {step: mean(self.seconds.get(step, {})) for step in self.STEPS}
         out["client_train_sum"] = mean(self.client_train_s)
         # what the transport and scheduling add on top of the clients' own training time
-        out["send_and_receive_minus_client_train"] = out["train_send_and_receive"] - out["client_train_sum"] / max(parallel, 1)
+        out["exchange_minus_client_train"] = out["exchange"] - out["client_train_sum"] / max(parallel, 1)
         return out
 
     def as_json(self) -> dict[str, Any]:
         return {"seconds": self.seconds, "client_train_s": self.client_train_s}
-
-
-def instrument_server() -> ServerTimers:
-    """Wrap the server-side steps of this process (see :class:`ServerTimers`)."""
-    import functools
-
-    from flwr.app import MessageType
-
-    timers = ServerTimers()
-    try:
-        from server_app import runner as experiment
-        from strategies.base import RoundLoopStrategy
-        from strategies.selection import SeededRosterSelector
-    except ImportError:  # an older layout of the app (measured for comparison): no breakdown
-        return timers
-
-    def timed(step: str, fn: Any, sets_round: bool = False) -> Any:
-        @functools.wraps(fn)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if sets_round:
-                timers.round = int(args[1])  # (self, server_round, ...)
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                timers.add(step, time.perf_counter() - start)
-
-        return wrapper
-
-    cls = RoundLoopStrategy
-    if not hasattr(cls, "finish_train"):  # an older round loop (measured for comparison): no breakdown
-        return timers
-    cls.configure_train = timed("configure_train", cls.configure_train, sets_round=True)
-    cls.finish_train = timed("aggregate_train", cls.finish_train)
-    SeededRosterSelector.query_keys = timed("roster_query", SeededRosterSelector.query_keys)
-    experiment.evaluate_model = timed("central_evaluate", experiment.evaluate_model)
-    send = cls.send
-    try:  # each train reply is checked by the round's reply ledger (by the strategy itself before)
-        from strategies.ledger import ReplyLedger as checks
-    except ImportError:
-        checks = cls
-    accept_reply = checks.accept_reply
-
-    def timed_send(self: Any, grid: Any, messages: Any, timeout: float, on_reply: Any = None) -> Any:
-        is_train = any(m.metadata.message_type == MessageType.TRAIN for m in messages)
-        start = time.perf_counter()
-        replies = send(self, grid, messages, timeout, on_reply)
-        timers.add("train_send_and_receive" if is_train else "other_send_and_receive", time.perf_counter() - start)
-        return replies
-
-    def counted_accept_reply(self: Any, reply: Any) -> Any:
-        if reply.has_content():
-            total = sum(float(record.get("train_time", 0.0)) for record in reply.content.metric_records.values())
-            timers.client_train_s[timers.round] = timers.client_train_s.get(timers.round, 0.0) + total
-        return accept_reply(self, reply)
-
-    cls.send = timed_send
-    checks.accept_reply = counted_accept_reply
-    return timers
 
 
 def child_flower(spec: dict[str, Any]) -> dict[str, Any]:
@@ -312,9 +263,9 @@ def child_flower(spec: dict[str, Any]) -> dict[str, Any]:
     mark("imports")
     install_phase_marks(ray_engine)
     cfg = spec["cfg"]
-    timers = instrument_server()
+    timers = ServerTimers()
     start = time.perf_counter()
-    run_dir = run_job(cfg)
+    run_dir = run_job(cfg, observers=[PhaseMarks(), timers])
     wall = time.perf_counter() - start
     rows = read_metrics(run_dir)
     seconds = {int(r["round"]): float(r["seconds"]) for r in rows}
@@ -330,7 +281,7 @@ def child_flower(spec: dict[str, Any]) -> dict[str, Any]:
         "first_round_s": seconds[1] - seconds.get(0, 0.0),
         "final_model": str(Path(run_dir) / "final_model.pt"),
         "breakdown_per_round_s": timers.per_round(rounds, int(spec["parallel"])),
-        "roster_query_s": sum(timers.seconds["roster_query"].values()),
+        "select_round_1_s": timers.seconds["select"].get(1, 0.0),
         "server_timers": timers.as_json(),
     }
 
@@ -365,6 +316,7 @@ def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
     from fedmm.protocol import ClientUpdate
     from server_app.runner import seed_everything
     from strategies import FedAvg, build_strategy
+    from strategies.aggregators import Mean
 
     mark("imports")
     cfg = spec["cfg"]
@@ -422,9 +374,10 @@ def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
             local.node = pid
             metrics = train(client_model, data, local, local.run.training, server_round, generator, device)
             local.end(client_model)
-            trained.append(ClientUpdate(pid, index, _to_numpy(client_model), float(metrics["num-examples"]), dict(metrics)))
+            trained.append(ClientUpdate(pid, index, _to_numpy(client_model), float(metrics["num-examples"]), dict(metrics),
+                                        sent=strategy.models[strategy.model_for_slot(index)]))
         mid = time.perf_counter()
-        global_state = strategy.aggregate(server_round, trained)
+        global_state = strategy.aggregate(server_round, trained, Mean())  # the method's own step, its plain mean
         end = time.perf_counter()
         if server_round >= 2:
             parts["train_s"] += mid - start
@@ -920,10 +873,10 @@ def main() -> None:
         for row in flower_rows:
             b = row.get("breakdown_per_round_s")
             if b:
-                print(f"{'':<10}{row['runner']} per round: configure {b['configure_train']:.3f}s, send_and_receive "
-                      f"{b['train_send_and_receive']:.3f}s (clients' own training {b['client_train_sum']:.3f}s summed, "
-                      f"/{row['parallel']} parallel), aggregate {b['aggregate_train']:.3f}s, evaluate "
-                      f"{b['central_evaluate']:.3f}s; roster query (round 1) {row['roster_query_s']:.3f}s", flush=True)
+                print(f"{'':<10}{row['runner']} per round: select {b['select']:.3f}s, configure {b['configure']:.3f}s, "
+                      f"exchange {b['exchange']:.3f}s (clients' own training {b['client_train_sum']:.3f}s summed, "
+                      f"/{row['parallel']} parallel), aggregate {b['aggregate']:.3f}s, evaluate "
+                      f"{b['evaluate']:.3f}s; select in round 1 (the roster query) {row['select_round_1_s']:.3f}s", flush=True)
         if anchor is not None and anchor.get("client_train_sum_per_round_s") is not None:
             print(f"{'':<10}Flower FedAvg as is per round: clients' own training {anchor['client_train_sum_per_round_s']:.3f}s "
                   f"summed, /{anchor['parallel']} parallel", flush=True)

@@ -69,7 +69,6 @@ what a server holding a small clean set, as in Zeno or FLTrust, would see).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
@@ -80,6 +79,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from fedmm.observers import RunObserver  # noqa: E402
 
 FAULTS = ("fail30", "nan", "inf", "shape", "dtype", "count", "straggler")
 ATTACKS = ("scale", "flip", "freerider", "labelflip", "backdoor")
@@ -131,41 +132,38 @@ def experiment(fault: str) -> tuple[str, int, bool]:
     return attack, int(count or 1), defended
 
 
-def hostile_data(real_local_data, partitions: dict[int, int] | None = None):  # noqa: ANN001, ANN201
-    """The ClientApp's data function with the data attacks of the experiment (its output folder's
-    name) applied to the hostile partitions' training rows; ``partitions`` (when given) learns
-    each node id's partition."""
+def hostile_data(run, context, data):  # noqa: ANN001, ANN201
+    """A node's training rows with the data attack of the experiment (its output folder's name)
+    applied when the node is hostile (its partition among the experiment's first), else as they are."""
     import dataclasses
 
     from fedmm.data import input_spec
 
-    def local_data(run, context, part="train"):  # noqa: ANN001, ANN202
-        if partitions is not None:
-            partitions[context.node_id] = int(context.node_config.get("partition-id", -1))
-        data = real_local_data(run, context, part)
-        attack, hostile, _ = experiment(Path(run.output_dir).name)
-        if part != "train" or int(context.node_config.get("partition-id", -1)) >= hostile:
-            return data
-        if attack == "labelflip":
-            return dataclasses.replace(data, y=input_spec(run.dataset).num_classes - 1 - data.y)
-        if attack == "backdoor":
-            poisoned = np.arange(len(data.y)) % 2 == 0
-            x, y = data.x.clone(), data.y.clone()
-            x[poisoned] = stamp(x[poisoned])
-            y[poisoned] = TARGET
-            return dataclasses.replace(data, x=x, y=y)
+    attack, hostile, _ = experiment(Path(run.output_dir).name)
+    if int(context.node_config.get("partition-id", -1)) >= hostile:
         return data
+    if attack == "labelflip":
+        return dataclasses.replace(data, y=input_spec(run.dataset).num_classes - 1 - data.y)
+    if attack == "backdoor":
+        poisoned = np.arange(len(data.y)) % 2 == 0
+        x, y = data.x.clone(), data.y.clone()
+        x[poisoned] = stamp(x[poisoned])
+        y[poisoned] = TARGET
+        return dataclasses.replace(data, x=x, y=y)
+    return data
 
-    return local_data
 
-
-def faulty_client_app():  # noqa: ANN201
-    """The real ClientApp, with the fault of the experiment (its output folder's name) injected."""
+def faulty_client_app(partitions: dict[int, int] | None = None):  # noqa: ANN201
+    """The real ClientApp, with the fault of the experiment (its output folder's name) injected
+    (data attacks: the node's rows altered, :func:`hostile_data`, trained by the app's own
+    ``train_reply``); ``partitions`` (when given) learns each node id's partition."""
     from flwr.app import Array, Context, Message
     from flwr.clientapp import ClientApp
 
     from client_app import client_app as real
+    from client_app import work
     from fedmm import protocol
+    from fedmm.config import client_run
 
     app = ClientApp()
 
@@ -174,6 +172,8 @@ def faulty_client_app():  # noqa: ANN201
         cfg = protocol.read_run_config(msg)
         fault = Path(cfg["output_dir"]).name
         pid = int(context.node_config["partition-id"])
+        if partitions is not None:
+            partitions[context.node_id] = pid
         if fault == "fail30" and pid < 3:
             raise RuntimeError(f"injected failure on partition {pid}")
         if fault == "straggler" and pid == 0:
@@ -182,6 +182,9 @@ def faulty_client_app():  # noqa: ANN201
         if attack == ABSENT and pid < hostile:
             raise RuntimeError(f"partition {pid} is absent from this experiment")
         received = protocol.record_to_model(msg.content[protocol.ARRAYS], copy=True) if attack in ("scale", "flip", "freerider") else None
+        if attack in ("labelflip", "backdoor") and pid < hostile:
+            run = client_run(protocol.run_config_text(msg))
+            return work.train_reply(msg, context, data=hostile_data(run, context, work.local_data(run, context)))
         reply = real.train(msg, context)
         if received is not None and pid < hostile:  # a hostile client: its update scaled (× 100), flipped (× −10) or none
             factor = {"scale": 100.0, "flip": -10.0, "freerider": 0.0}[attack]
@@ -300,10 +303,10 @@ def held_out_loss(cfg: dict):  # noqa: ANN201
 SUSPECT_HIGH = ("norm_ratio", "held_out_loss_change")
 
 
-class ScreenRecorder:
+class ScreenRecorder(RunObserver):
     """``--screen-stats``: what the defence stage's screens measured of each update, round by
     round, with the partition of the node that sent it (hostile: the experiment's first
-    partitions), from the verdict of :meth:`strategies.defence.Defence.screen_and_bound`; and the
+    partitions), from the stage's verdict (an observer of the run: ``on_stage``); and the
     scores no screen uses, taken before the stage: :func:`output_cosines`, :func:`sent_alignment`
     and, with ``held_out`` (``begin`` builds it from the experiment's config), the change in
     :func:`held_out_loss` from the model each update was sent to the model it returned."""
@@ -327,32 +330,21 @@ class ScreenRecorder:
         """The rounds recorded for the experiment of ``cfg``."""
         return self.rounds.get(str(cfg["output_dir"]), [])
 
-    def __enter__(self) -> ScreenRecorder:
-        from strategies.defence import Defence
-
-        self.real = real = Defence.screen_and_bound
-
-        def screen_and_bound(defence, updates, sent):  # noqa: ANN001, ANN202
-            cosines = output_cosines(updates, sent) if len(updates) >= 3 else None
-            extra = {} if cosines is None else {"output_cosine": cosines, "sent_alignment": sent_alignment(updates, sent)}
-            if extra and self.loss is not None:
-                extra["held_out_loss_change"] = np.array([self.loss(u.model) - self.loss(m) for u, m in zip(updates, sent)])
-            verdict = real(defence, updates, sent)
-            if verdict.scores:
-                rejected = {id(u) for u, _ in verdict.rejected}
-                self.rounds.setdefault(self.experiment, []).append([
-                    {"partition": self.partitions.get(u.node_id, -1), "rejected": id(u) in rejected,
-                     **{name: float(values[i]) for name, values in {**verdict.scores, **extra}.items()}}
-                    for i, u in enumerate(updates)])
-            return verdict
-
-        Defence.screen_and_bound = screen_and_bound
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        from strategies.defence import Defence
-
-        Defence.screen_and_bound = self.real
+    def on_stage(self, server_round: int, updates, verdict) -> None:  # noqa: ANN001
+        """The stage's verdict on a round's updates (each with its ``sent`` model), with the
+        scores no screen uses, taken from the same updates and sent models."""
+        if not verdict.scores:
+            return
+        sent = [u.sent for u in updates]
+        cosines = output_cosines(updates, sent) if len(updates) >= 3 else None
+        extra = {} if cosines is None else {"output_cosine": cosines, "sent_alignment": sent_alignment(updates, sent)}
+        if extra and self.loss is not None:
+            extra["held_out_loss_change"] = np.array([self.loss(u.model) - self.loss(m) for u, m in zip(updates, sent)])
+        rejected = {id(u) for u, _ in verdict.rejected}
+        self.rounds.setdefault(self.experiment, []).append([
+            {"partition": self.partitions.get(u.node_id, -1), "rejected": id(u) in rejected,
+             **{name: float(values[i]) for name, values in {**verdict.scores, **extra}.items()}}
+            for i, u in enumerate(updates)])
 
 
 def screen_table(rows: list[dict]) -> str:
@@ -421,19 +413,11 @@ def run_strategy(strategy: str, root: Path, attacks: tuple[str, ...] = (), hosti
             if recorder is not None:
                 recorder.begin(cfg)
             try:
-                run_experiment(grid, cfg)
+                run_experiment(grid, cfg, observers=[recorder] if recorder is not None else ())
             except Exception:  # noqa: BLE001 - the row records the status
                 pass
 
-    from client_app import work
-
-    real_local_data = work.local_data
-    # in this process: the in-process engine's ClientApp
-    work.local_data = hostile_data(real_local_data, None if recorder is None else recorder.partitions)
-    try:
-        simulate(app, cfgs[0], engine)
-    finally:
-        work.local_data = real_local_data
+    simulate(app, cfgs[0], engine, None if recorder is None else recorder.partitions)
     rows = []
     for fault, cfg in zip(faults, cfgs):
         rows.append({"strategy": strategy, "fault": fault, **outcome(cfg)})
@@ -444,12 +428,13 @@ def run_strategy(strategy: str, root: Path, attacks: tuple[str, ...] = (), hosti
     return rows
 
 
-def simulate(app, cfg: dict, engine: str) -> None:  # noqa: ANN001
-    """The experiments' ServerApp on the in-process engine or Flower's on Ray."""
+def simulate(app, cfg: dict, engine: str, partitions: dict[int, int] | None = None) -> None:  # noqa: ANN001
+    """The experiments' ServerApp on the in-process engine or Flower's on Ray (``partitions``:
+    filled in this process only, so on the in-process engine)."""
     if engine == "local":
         from fedmm.local_engine import run_local_simulation
 
-        run_local_simulation(server_app=app, client_app=faulty_client_app(), num_supernodes=cfg["num_clients"])
+        run_local_simulation(server_app=app, client_app=faulty_client_app(partitions), num_supernodes=cfg["num_clients"])
     else:
         from flwr.simulation import run_simulation
 
@@ -613,11 +598,10 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="fedmm-faults-"))
     defences = {strategy: tuple(args.defence) if args.defence else default_defence(strategy) for strategy in args.strategies}
     recorder = ScreenRecorder(held_out=args.held_out) if args.screen_stats else None
-    with recorder or contextlib.nullcontext():
-        rows = [row for strategy in args.strategies
-                for row in run_strategy(strategy, root, attacks, tuple(args.hostile), defences[strategy], args.rounds,
-                                        args.engine, tuple(args.set), ("+defence",) if args.defended_only else ("", "+defence"),
-                                        recorder)]
+    rows = [row for strategy in args.strategies
+            for row in run_strategy(strategy, root, attacks, tuple(args.hostile), defences[strategy], args.rounds,
+                                    args.engine, tuple(args.set), ("+defence",) if args.defended_only else ("", "+defence"),
+                                    recorder)]
     if attacks:
         print(attack_table(rows, attacks, args.hostile))
         if recorder is not None:

@@ -46,7 +46,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from e2e_overhead import instrument_server, num_cores, per_round  # noqa: E402
+from e2e_overhead import ServerTimers, num_cores, per_round  # noqa: E402
+
+from fedmm.observers import RunObserver  # noqa: E402
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 MIB = 2**20
@@ -186,13 +188,14 @@ class Holdings:
     messages in the engine's hands: Flower's in-memory SuperLink state (sent messages not yet
     answered, replies not yet pulled) or the in-process engine's grid (pushed messages not yet
     delivered, the copy the ClientApp in training got, replies not yet pulled). Attached by
-    :func:`watch_holdings` (benchmark instrumentation only).
+    :class:`WatchHoldings`, an observer of the run.
     """
 
     def __init__(self) -> None:
         self.strategy: Any = None
         self.linkstates: list[Any] = []
-        self.grids: list[Any] = []
+        #: The in-process engine's live grids (a function: :meth:`fedmm.local_engine.LocalGrid.live`).
+        self.grids: Any = list
         #: The updates ``aggregate`` is working on (the strategy hands them over from its own list).
         self.aggregating: list[Any] = []
         #: The server's resident set and its parts when round 1 is configured (after the round-0
@@ -226,12 +229,12 @@ class Holdings:
 
     def store_bytes(self) -> int:
         total = 0
-        for grid in list(self.grids):
+        for grid in list(self.grids()):
             try:
                 held = grid.held_messages()
             except RuntimeError:  # the grid's table changed while it was read: skip it this time
                 held = []
-            messages = held + list(grid.in_hand)
+            messages = held + list(grid.delivering)
             for msg in messages:
                 try:
                     if msg.has_content():
@@ -253,74 +256,41 @@ class Holdings:
         return total
 
 
-def watch_holdings(holdings: Holdings, ray_engine: bool = True) -> None:
-    """Let ``holdings`` see the strategy and the engine's messages (Flower's link state on Ray, the
-    in-process engine's grid)."""
-    try:
-        from server_app import runner
-    except ImportError:  # an older layout of the app (measured for comparison): Flower's store only
-        runner = None
-    if runner is None or not hasattr(runner, "build_strategy"):
-        runner = None
-    build = runner.build_strategy if runner is not None else None
+class WatchHoldings(RunObserver):
+    """Lets ``holdings`` see the run, as an observer of it: the strategy (from its start), the
+    updates its method aggregates (while it does), the moment round 1 starts (after the round-0
+    evaluation); and the engine's messages: the in-process engine's live grids
+    (:meth:`fedmm.local_engine.LocalGrid.live`, with the copies the ClientApp holds), or Flower's
+    link state on Ray (its class's constructor wrapped: Flower's, not this app's)."""
 
-    def build_and_watch(cfg: Any) -> Any:
-        strategy = holdings.strategy = build(cfg)
-        aggregate = strategy.aggregate
+    def __init__(self, holdings: Holdings, ray_engine: bool = True) -> None:
+        self.holdings = holdings
+        if ray_engine:
+            from flwr.server.superlink.linkstate import in_memory_linkstate
 
-        def aggregate_and_watch(server_round: int, updates: list[Any], *args: Any, **kwargs: Any) -> Any:
-            holdings.aggregating = list(updates)
-            try:
-                return aggregate(server_round, updates, *args, **kwargs)
-            finally:
-                holdings.aggregating = []
+            init = in_memory_linkstate.InMemoryLinkState.__init__
 
-        strategy.aggregate = aggregate_and_watch
-        configure_train = getattr(strategy, "configure_train", None)
-        if configure_train is None:  # not a round-loop strategy: round 0 from the metrics file
-            return strategy
+            def init_and_watch(state: Any, *args: Any, **kwargs: Any) -> None:
+                init(state, *args, **kwargs)
+                holdings.linkstates.append(state)
 
-        def configure_train_and_watch(*args: Any, **kwargs: Any) -> Any:
-            if holdings.round0 is None:
-                holdings.round0 = (rss_bytes(), memory_parts())
-            return configure_train(*args, **kwargs)
+            in_memory_linkstate.InMemoryLinkState.__init__ = init_and_watch
+        else:
+            from fedmm.local_engine import LocalGrid
 
-        strategy.configure_train = configure_train_and_watch
-        return strategy
+            holdings.grids = LocalGrid.live  # read when the sampler counts
 
-    if runner is not None:
-        runner.build_strategy = build_and_watch
-    if not ray_engine:
-        from fedmm import local_engine
+    def on_strategy_start(self, strategy: Any) -> None:
+        self.holdings.strategy = strategy
 
-        grid_init = local_engine.LocalGrid.__init__
+    def on_phase(self, server_round: int, phase: str, seconds: float) -> None:
+        if server_round == 0 and phase == "evaluate" and self.holdings.round0 is None:
+            self.holdings.round0 = (rss_bytes(), memory_parts())
+        if phase == "aggregate":  # the round's end is over: the method holds the updates no more
+            self.holdings.aggregating = []
 
-        def grid_init_and_watch(self: Any, *args: Any, **kwargs: Any) -> None:
-            grid_init(self, *args, **kwargs)
-            self.in_hand = []  # the copy the ClientApp in training got
-            holdings.grids.append(self)
-            client_app = self.client_app  # the grid calls it as client_app(message, context)
-
-            def client_app_and_watch(message: Any, context: Any) -> Any:
-                self.in_hand = [message]
-                try:
-                    return client_app(message, context)
-                finally:
-                    self.in_hand = []
-
-            self.client_app = client_app_and_watch
-
-        local_engine.LocalGrid.__init__ = grid_init_and_watch
-        return
-    from flwr.server.superlink.linkstate import in_memory_linkstate
-
-    init = in_memory_linkstate.InMemoryLinkState.__init__
-
-    def init_and_watch(self: Any, *args: Any, **kwargs: Any) -> None:
-        init(self, *args, **kwargs)
-        holdings.linkstates.append(self)
-
-    in_memory_linkstate.InMemoryLinkState.__init__ = init_and_watch
+    def on_aggregate(self, server_round: int, updates: Any) -> None:
+        self.holdings.aggregating = list(updates)
 
 
 class TreeSampler(threading.Thread):
@@ -473,16 +443,16 @@ def child_scale(spec: dict[str, Any]) -> dict[str, Any]:
         model = build_model(cfg["model"]["name"], int(d["in_channels"]), int(d["num_classes"]), int(d["image_size"]))
     model_bytes = sum(v.numel() * v.element_size() for v in model.state_dict().values())
     del model
-    timers = instrument_server()
+    timers = ServerTimers()
     holdings = Holdings()
-    watch_holdings(holdings, ray_engine)
+    watching = WatchHoldings(holdings, ray_engine)
     run_dir = Path(cfg["output_dir"])
     sampler = TreeSampler(float(spec["interval"]), run_dir / METRICS_FILE, holdings)
     baseline = rss_bytes()
     sampler.start()
     start = time.perf_counter()
     try:
-        run_job(cfg)
+        run_job(cfg, observers=[timers, watching])
     finally:
         wall = time.perf_counter() - start
         sampler.stop()
@@ -503,7 +473,7 @@ def child_scale(spec: dict[str, Any]) -> dict[str, Any]:
         "per_round_s": pr,
         "first_round_s": first,
         "startup_s": wall - (rounds * pr if pr is not None else first),
-        "roster_query_s": sum(timers.seconds["roster_query"].values()),
+        "select_round_1_s": timers.seconds["select"].get(1, 0.0),
         "breakdown_per_round_s": timers.per_round(rounds, int(spec["parallel"])),
         "server_timers": timers.as_json(),
         "model_bytes": model_bytes,
@@ -631,15 +601,15 @@ def main() -> None:
         pr = f"{row['per_round_s']:.2f}" if row["per_round_s"] is not None else "n/a"
         pss = f"{row['tree_peak_pss_sum_mib']:.0f}" if row["tree_peak_pss_sum_mib"] is not None else "n/a"
         print(f"{strategy:<10}{args.num_clients:>6}{args.clients_per_round:>5}{args.model:>7}{'yes' if row['completed'] else 'NO':>6}"
-              f"{pr:>9}{row['startup_s']:>11.1f}{row['first_round_s']:>12.1f}{row['roster_query_s']:>10.1f}"
+              f"{pr:>9}{row['startup_s']:>11.1f}{row['first_round_s']:>12.1f}{row['select_round_1_s']:>10.1f}"
               f"{row['server_rss_round0_mib']:>11.0f}{row['server_peak_after_round0_mib']:>8.0f}{row['server_above_round0_mib']:>10.0f}"
               f"{row['server_above_round0_models']:>8.1f}{row['server_target_models']:>6}{row['tree_peak_rss_sum_mib']:>9.0f}{pss:>9}",
               flush=True)
         b = row.get("breakdown_per_round_s")
         if b:
-            print(f"{'':<10}per round: configure {b['configure_train']:.2f}s, send_and_receive {b['train_send_and_receive']:.2f}s "
+            print(f"{'':<10}per round: select {b['select']:.2f}s, configure {b['configure']:.2f}s, exchange {b['exchange']:.2f}s "
                   f"(clients' own training {b['client_train_sum']:.2f}s summed, /{parallel} parallel), aggregate "
-                  f"{b['aggregate_train']:.2f}s, evaluate {b['central_evaluate']:.2f}s", flush=True)
+                  f"{b['aggregate']:.2f}s, evaluate {b['evaluate']:.2f}s", flush=True)
         print(f"{'':<10}model copies at the server's peak: strategy {row['at_server_peak_app_models']:.1f}, the engine's "
               f"messages {row['at_server_peak_store_models']:.1f}, the rest {row['at_server_peak_rest_models']:.1f} (each one's own "
               f"peak: strategy {row['app_peak_models']:.1f}, store {row['store_peak_models']:.1f}); above round 0 at that "

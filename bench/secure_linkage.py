@@ -52,6 +52,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from fedmm.observers import RunObserver  # noqa: E402
 from fedmm.secure import RETURN, SEND  # noqa: E402
 
 
@@ -187,13 +188,27 @@ class Harness:
         return self.client_secure.handle(msg, context, self._train).content
 
 
-def build(cfg: dict[str, Any], secure: dict[str, Any] | None) -> Any:
+class Uploads(RunObserver):
+    """The models the method aggregates (each node's upload) and their slots, as an observer of
+    the round (:mod:`fedmm.observers`)."""
+
+    def __init__(self) -> None:
+        self.models: dict[int, dict[str, np.ndarray]] = {}
+        self.slots: dict[int, int] = {}
+
+    def on_aggregate(self, server_round: int, updates: Any) -> None:
+        for update in updates:
+            self.models[update.node_id] = {k: np.array(v) for k, v in update.model.items()}
+            self.slots[update.node_id] = update.slot
+
+
+def build(cfg: dict[str, Any], secure: dict[str, Any] | None, observers: Any = ()) -> Any:
     from strategies import build_strategy
 
     run_cfg = copy.deepcopy(cfg)
     if secure is not None:
         run_cfg["strategy"]["secure"] = {**run_cfg["strategy"]["secure"], **secure, "enabled": True}
-    return build_strategy(run_cfg)
+    return build_strategy(run_cfg, observers)
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -222,7 +237,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(args.seed)
     arrays = ArrayRecord(model_for(cfg, input_spec(cfg["dataset"])).state_dict())
     for server_round in range(1, args.warmup + 1):
-        plain.run_round(server_round, harness.grid, arrays, config, timeout=600)
+        plain.driver.run(server_round, harness.grid, arrays, config, timeout=600)
     harness.grid.sent.clear()
     state = copy.deepcopy(plain.state_dict())
     measured_round = args.warmup + 1
@@ -234,22 +249,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     num_layers = len(units)
 
     def one_round(secure: dict[str, Any] | None) -> dict[str, Any]:
-        strategy = build(cfg, secure)
+        seen = Uploads()
+        strategy = build(cfg, secure, [seen])
         strategy.load_state_dict(copy.deepcopy(state))
         harness.trained = {}
-        uploads: dict[int, dict[str, np.ndarray]] = {}
-        slots: dict[int, int] = {}
-        original = strategy.on_update
-
-        def on_update(server_round, update):  # noqa: ANN001, ANN202
-            uploads[update.node_id] = {k: np.array(v) for k, v in update.model.items()}
-            slots[update.node_id] = update.slot
-            return original(server_round, update)
-
-        strategy.on_update = on_update
+        uploads, slots = seen.models, seen.slots
         dispatched_models = [dict(m) for m in strategy.models]
         start = time.perf_counter()
-        strategy.run_round(measured_round, harness.grid, arrays, config, timeout=600)
+        strategy.driver.run(measured_round, harness.grid, arrays, config, timeout=600)
         seconds = time.perf_counter() - start
         harness.grid.sent.clear()  # the in-process grid keeps every message it delivered
         if secure is None:
@@ -257,8 +264,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             trained, trace, mode = dict(uploads), [], None
             dispatched = {u: dispatched_models[strategy.model_for_slot(slot)] for u, slot in slots.items()}
         else:
-            trained, trace, mode = dict(harness.trained), list(strategy.secure.trace), secure["mode"]
-            dispatched = dict(strategy.secure.dispatched)
+            trained, trace, mode = dict(harness.trained), list(strategy.driver.relay.trace), secure["mode"]
+            dispatched = dict(strategy.driver.relay.dispatched)
         truth = true_trainers(uploads, trained, units)
         wire_sizes = [LayerCodec(spec, units, pad=bool(secure and secure.get("pad"))).wire_bytes(j) for j in range(num_layers)]
         guess = attribute(mode, uploads, dispatched, trace, units, wire_sizes)
@@ -268,7 +275,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         log = strategy.round_log
         repetitions = (secure or {}).get("repetitions", 0)
         exchanges = {"before": 1, "after": 1, "both": 2}.get(mode or "", 0)
-        low, high = strategy.secure.layer_bounds(num_layers) if secure else (0, 0)
+        low, high = strategy.driver.relay.layer_bounds(num_layers) if secure else (0, 0)
         estimate = exchanges * repetitions * 2 * args.clients * (low + high) * model_bytes / num_layers
         return {
             "mode": mode or "plain", "repetitions": repetitions, "max_layers": high if secure else 0, "pad": bool(secure and secure.get("pad")),

@@ -137,12 +137,13 @@ def seed_for(run: RunSettings, server_round: int, context: Context, repeat: int 
 
 
 def local_training(
-    run: RunSettings, context: Context, server_round: int, model: LayeredModel, content: Any = None, repeat: int = 0
+    run: RunSettings, context: Context, server_round: int, model: LayeredModel, content: Any = None, repeat: int = 0,
+    data: TensorData | None = None,
 ) -> tuple[dict[str, float], dict[str, Any]]:
-    """Train ``model`` in place on this node's data with the configured local-update plugin;
-    return the metrics and the plugin's extra reply records."""
+    """Train ``model`` in place on this node's data (``data``: these rows instead) with the
+    configured local-update plugin; return the metrics and the plugin's extra reply records."""
     _set_threads(run, context)
-    data = local_data(run, context)
+    data = local_data(run, context) if data is None else data
     seed = seed_for(run, server_round, context, repeat)
     generator = torch.Generator().manual_seed(seed)  # batch order
     torch.manual_seed(seed)  # dropout (VGG-16) draws from the global generator
@@ -192,14 +193,15 @@ def cuda_memory_advice(run: RunSettings, what: str) -> Iterator[None]:
         ) from None
 
 
-def train_reply(msg: Message, context: Context) -> Message:
-    """The reply to a train message: the received model trained on the local data."""
+def train_reply(msg: Message, context: Context, data: TensorData | None = None) -> Message:
+    """The reply to a train message: the received model trained on the local data (``data``:
+    these rows instead, e.g. a ClientApp of one's own that alters a node's data)."""
     run = client_run(protocol.run_config_text(msg))
     _set_threads(run, context)
     with cuda_memory_advice(run, "local training"):
         model = model_from_message(run, msg)
         repeat = int(msg.content[protocol.CONFIG].get(protocol.ROUND_REPEAT, 0))
-        metrics, extra = local_training(run, context, protocol.server_round(msg), model, msg.content, repeat)
+        metrics, extra = local_training(run, context, protocol.server_round(msg), model, msg.content, repeat, data)
     records = {protocol.ARRAYS: model_record(model), protocol.METRICS: MetricRecord(metrics)}
     records.update(extra)
     return protocol.reply_message(msg, records)

@@ -47,6 +47,7 @@ from fedmm.settings import (  # noqa: F401 - the rules, re-exported
     Settings,
     Str,
     discover,
+    paired_objectives,
     plain,
     is_int,
     is_number,
@@ -66,7 +67,7 @@ def _find_conf_dir() -> Path:
 CONF_DIR = Path(os.environ.get("FEDMM_CONF_DIR") or _find_conf_dir())
 
 #: Config groups: a run-config key of the same name selects an option of the group.
-GROUPS = ("strategy", "dataset", "partition", "model", "training", "simulation", "objective", "selection")
+GROUPS = ("strategy", "dataset", "partition", "model", "training", "simulation", "objective", "selection", "server_optimizer")
 #: Top-level scalar keys a ``flwr run -c`` may set directly.
 SCALAR_KEYS = (
     "num_rounds", "seed", "eval_every", "num_clients", "clients_per_round", "output_dir", "checkpoint_every", "resume",
@@ -348,6 +349,7 @@ class RunSettings(Settings):
     tracking: TrackingSettings = setting(TrackingSettings(), help="experiment trackers (docs/usage.md)")
     objective: Settings = field(default=None)  # type: ignore[assignment]
     selection: Settings = field(default=None)  # type: ignore[assignment]
+    server_optimizer: Settings = field(default=None)  # type: ignore[assignment]
     strategy: Settings = field(default=None)  # type: ignore[assignment]
     dataset: Settings = field(default=None)  # type: ignore[assignment]
     partition: Settings = field(default=None)  # type: ignore[assignment]
@@ -378,6 +380,15 @@ class RunSettings(Settings):
 
     def keys(self) -> list[str]:
         return [f.name for f in self.settings_fields()] + list(GROUPS)
+
+    def freeze(self) -> RunSettings:
+        """Read-only, every group's settings too (:meth:`Settings.freeze`)."""
+        for group in GROUPS:
+            value = getattr(self, group)
+            if isinstance(value, Settings):
+                value.freeze()
+        super().freeze()
+        return self
 
 
 #: Settings of the run-level groups (one declaration each; their yaml files are presets).
@@ -428,10 +439,17 @@ def register_defaults() -> None:
                 continue
             if cls.options_for:  # one declaration of several options: the option is its name
                 node = {**node, "name": option}
-            companions = getattr(cls, "companions", {})
+            companions = {**companion_objectives(option), **getattr(cls, "companions", {})} if group == "strategy" else {}
             if companions:
                 node = {"defaults": [{f"override /{g}@_global_.{g}": o} for g, o in companions.items()] + ["_self_"], **node}
             _store_once(store, group, option, node)
+
+
+def companion_objectives(strategy: str) -> dict[str, str]:
+    """``{"objective": X}`` when objective X's clients need the server method ``strategy`` (its
+    declared ``server``): ``strategy=<it>`` selects that objective too."""
+    paired = paired_objectives(strategy)
+    return {"objective": paired[0]} if paired else {}
 
 
 #: (group, name) -> (the node, hydra's entry) of each node :func:`register_defaults` stored.
@@ -623,7 +641,7 @@ def validate(cfg: DictConfig | Mapping[str, Any], groups: Sequence[str] = GROUPS
         raise ConfigError("clients_per_round", k, f"an integer from 1 to num_clients={run.num_clients}")
     for group in groups:
         getattr(run, group).check(run)
-    return run
+    return run.freeze()
 
 
 @functools.lru_cache(maxsize=8)
@@ -649,7 +667,7 @@ def client_run(config_json: str) -> RunSettings:
             setattr(run, group, OtherSettings(values=values))
             continue
         setattr(run, group, declaration_of(group, values).lenient(values))
-    return run
+    return run.freeze()
 
 
 def as_run(cfg: RunSettings | DictConfig | Mapping[str, Any]) -> RunSettings:
@@ -702,7 +720,7 @@ def resume_config(run_dir: str | os.PathLike, changes: Mapping[str, Any] | Seque
 
 
 #: Config groups added after runs were made (a run written before used these options).
-_GROUPS_ADDED = {"selection": {"name": "uniform"}}
+_GROUPS_ADDED = {"selection": {"name": "uniform"}, "server_optimizer": {"name": "none"}}
 
 
 def _split_override(item: str) -> tuple[str, Any]:

@@ -53,6 +53,7 @@ import copy
 import secrets
 import threading
 import time
+import weakref
 import traceback
 import uuid
 from collections import deque
@@ -324,6 +325,10 @@ class LocalGrid(Grid):
         }
         self._pending: dict[str, _Pending] = {}
         self._queue: deque[str] = deque()
+        #: The messages the ClientApp holds right now (its own copies, while a call runs): with
+        #: :meth:`held_messages` what the engine holds of the server's messages (memory diagnostics).
+        self.delivering: list[Message] = []
+        _LIVE.add(self)
         self._lock = threading.RLock()
         #: The clients' side of the global random generators (see :class:`RandomStates`).
         self._client_random: RandomStates | None = None
@@ -468,11 +473,13 @@ class LocalGrid(Grid):
         server_random = RandomStates.capture()
         if self._client_random is not None:
             self._client_random.restore()
+        self.delivering = [delivered for _, _, delivered in taken]
         try:
-            outs = self.train_batch([delivered for _, _, delivered in taken], contexts)
+            outs = self.train_batch(list(self.delivering), contexts)
         except Exception as err:  # noqa: BLE001 - the handler's failure: each node's error reply
             outs = [err] * len(taken)
         finally:
+            self.delivering = []
             self._client_random = RandomStates.capture()
             server_random.restore()
         for index in range(len(taken)):
@@ -531,6 +538,7 @@ class LocalGrid(Grid):
         server_random = RandomStates.capture()
         if self._client_random is not None:
             self._client_random.restore()
+        self.delivering = [delivered]
         try:
             out = self.client_app(delivered, context)
         except Exception as err:  # noqa: BLE001 - a ClientApp's failure is its node's error reply
@@ -541,10 +549,16 @@ class LocalGrid(Grid):
         except BaseException as err:  # e.g. GeneratorExit: a Ray actor would die of it: the node's error
             return _error_reply(metadata, ErrorCode.CLIENT_APP_CRASHED, raised_reason(err))
         finally:
+            self.delivering = []
             self._client_random = RandomStates.capture()
             server_random.restore()
         del delivered
         return self._settle(metadata, context, out)
+
+    @staticmethod
+    def live() -> list[LocalGrid]:
+        """The grids of this process that are alive (memory diagnostics: ``bench/scale.py``)."""
+        return list(_LIVE)
 
     def _settle(self, metadata: Any, context: Context, out: Any) -> Message:
         """The reply to the message with ``metadata`` from what its ClientApp call returned
@@ -580,6 +594,10 @@ class LocalGrid(Grid):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+#: Every LocalGrid alive in this process (:meth:`LocalGrid.live`).
+_LIVE: weakref.WeakSet = weakref.WeakSet()
 
 
 def train_mods(client_app: ClientApp) -> bool:

@@ -230,6 +230,11 @@ class ClientUpdate:
         Every numeric metric of the reply.
     extras : dict
         Further ArrayRecords the method asked for, by record name, decoded.
+    sent : ModelDict or None
+        The model the node was sent (set by the server's round: the reference of the update).
+    staleness : int
+        Aggregations the server made between sending that model and this reply (asynchronous
+        rounds; 0 in a synchronous one).
     """
 
     node_id: int
@@ -238,6 +243,8 @@ class ClientUpdate:
     num_examples: float
     metrics: dict[str, float]
     extras: dict[str, ModelDict] = field(default_factory=dict)
+    sent: ModelDict | None = field(default=None, repr=False)
+    staleness: int = 0
 
 
 def reply_metrics(reply: Message) -> dict[str, float]:

@@ -297,6 +297,26 @@ class Settings:
             kwargs[f.name] = nested.lenient(value) if nested is not None and isinstance(value, Mapping) else value
         return cls(**kwargs)
 
+    def freeze(self) -> Settings:
+        """Make these settings (and the nested ones) read-only: a run's settings never change
+        after validation (:meth:`replace` makes a changed copy). Returns them."""
+        for f in self.settings_fields():
+            value = getattr(self, f.name)
+            if isinstance(value, Settings):
+                value.freeze()
+        object.__setattr__(self, "_frozen", True)
+        return self
+
+    @property
+    def frozen(self) -> bool:
+        return bool(self.__dict__.get("_frozen"))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_frozen"):
+            raise AttributeError(f"{type(self).__name__}.{name}: a run's settings are read-only once validated "
+                                 f"(make a changed copy with .replace({name}=...))")
+        object.__setattr__(self, name, value)
+
     def check_values(self, prefix: str) -> None:
         """Rules across this declaration's own keys (after each key passed its rule)."""
 
@@ -455,6 +475,7 @@ class OtherSettings(Settings):
 OWN_PACKAGES: dict[str, tuple[str, ...]] = {
     "strategy": ("strategies",),
     "selection": ("strategies",),
+    "server_optimizer": ("strategies",),
     "objective": ("objectives",),
     "dataset": ("fedmm.data",),
     "partition": ("fedmm.data",),
@@ -493,6 +514,12 @@ def discover(group: str) -> dict[str, type[Settings]]:
             _import_tree(name)
         _DISCOVERED.add(group)
     return {option: cls for (g, option), cls in sorted(_DECLARED.items()) if g == group}
+
+
+def paired_objectives(strategy: str) -> list[str]:
+    """The objectives whose clients need the server method ``strategy`` (their declared ``server``):
+    ``strategy=<it>`` selects the first, and takes no other."""
+    return sorted(name for name, cls in discover("objective").items() if getattr(cls, "server", "") == strategy)
 
 
 def declared(group: str) -> dict[str, type[Settings]]:

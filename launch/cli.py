@@ -158,9 +158,10 @@ def prepare_server_data(cfg: Any) -> None:
         pass
 
 
-def run_job(settings: Any) -> Path:
+def run_job(settings: Any, observers: Any = ()) -> Path:
     """Run one experiment (its settings, or a plain config: validated here) on the simulation
-    engine ``simulation.engine`` names and return its results directory."""
+    engine ``simulation.engine`` names and return its results directory; ``observers`` see the
+    run (:mod:`fedmm.observers`)."""
     from flwr.app import Context
     from flwr.serverapp import Grid, ServerApp
 
@@ -185,7 +186,7 @@ def run_job(settings: Any) -> Path:
         try:
             if prepared is not None:
                 prepared.join()
-            out["dir"] = run_experiment(grid, cfg, num_supernodes=cfg.simulation.num_supernodes)
+            out["dir"] = run_experiment(grid, cfg, num_supernodes=cfg.simulation.num_supernodes, observers=observers)
         except BaseException as err:  # Flower logs it and returns: keep it to fail the job
             out["error"] = err
             raise

@@ -64,12 +64,22 @@ class ObjectiveSettings(Settings):
     """Settings every client objective has; an objective's declaration extends this one."""
 
     group = "objective"
+    #: The server method this objective's clients need (its records, its state; "" for any):
+    #: declared here once, the pairing both ways is derived from it (a run with this objective
+    #: and another strategy is refused, the strategy selects this objective and refuses others).
+    server: ClassVar[str] = ""
     training: dict = setting({}, MapOf(AnyValue(), "a mapping of training-group keys to values"),
                              "training settings this objective's clients use in place of the training group's "
                              "(an original code's client: SCAFFOLD's lab code decays lr per round, FedExP's takes 20 steps)")
 
     #: Declared after runs were made: the value that reproduces those runs.
     added = {"training": {}}
+
+    def check(self, run: Any) -> None:
+        """An objective paired with a server method (``server``) runs under that method only."""
+        if self.server and run.strategy.name != self.server:
+            raise ConfigError("objective", self.option, f"an objective other than {self.option} with strategy "
+                              f"{run.strategy.name} ({self.title or self.option}'s clients need strategy={self.server})")
 
     def check_values(self, prefix: str) -> None:
         from fedmm.training import TrainingSettings
@@ -349,13 +359,6 @@ def parameters(model: nn.Module, weights: Mapping[str, torch.Tensor] | None) -> 
     if weights is None:
         return dict(model.named_parameters())
     return {name: weights[name] for name, _ in model.named_parameters()}
-
-
-def require_strategy(params: Settings, run: Any, strategy: str, method: str) -> None:
-    """A client objective that only works with its own server method."""
-    if run.strategy.name != strategy:
-        raise ConfigError("objective", params.name, f"an objective other than {params.name} with strategy "
-                          f"{run.strategy.name} ({method}'s clients need strategy={strategy})")
 
 
 def as_client_run(run: RunSettings | Mapping[str, Any]) -> RunSettings:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from objectives.base import LocalUpdate, ObjectiveSettings, parameters, require_strategy
+from objectives.base import LocalUpdate, ObjectiveSettings, parameters
 
 #: ``Context.state`` ArrayRecord: this client's linear term g_k (one array per trainable parameter).
 GRADIENT_STATE = "feddyn-gradient"
@@ -39,9 +39,7 @@ class FedDynClientSettings(ObjectiveSettings):
     option = "feddyn"
     title = "FedDyn"
 
-    def check(self, run: Any) -> None:
-        """The client needs FedDyn's server (its α and h)."""
-        require_strategy(self, run, "feddyn", "FedDyn")
+    server = "feddyn"
 
 
 class FedDynClient(LocalUpdate):

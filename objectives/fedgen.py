@@ -12,7 +12,7 @@ from torch.nn import functional as F
 
 from fedmm.settings import Choice, Int, MapOf, Nullable, Number, setting
 from fedmm.training import host_values, weighted_sum
-from objectives.base import LocalUpdate, ObjectiveSettings, frozen, require_strategy
+from objectives.base import LocalUpdate, ObjectiveSettings, frozen
 
 #: ArrayRecord of a FedGen train message (from round 2): the generator's state_dict.
 GENERATOR = "generator"
@@ -43,9 +43,7 @@ class FedGenClientSettings(ObjectiveSettings):
     sample_labels: str = setting("all", Choice("all", "available"), "labels of the generated batch: all classes (the "
                                  "port) | available (the client's, the original)")
 
-    def check(self, run: Any) -> None:
-        """The client needs the server's generator: strategy fedgen."""
-        require_strategy(self, run, "fedgen", "FedGen")
+    server = "fedgen"
 
 
 class FedGenClient(LocalUpdate):

@@ -13,7 +13,7 @@ from torch import nn
 
 from fedmm.settings import Choice, Nullable, Number, setting
 from fedmm.training import TrainingSettings
-from objectives.base import LocalUpdate, ObjectiveSettings, require_strategy
+from objectives.base import LocalUpdate, ObjectiveSettings
 
 #: ArrayRecord of a train message: the server's control variate c (trainable parameters).
 CONTROL = "control"
@@ -45,9 +45,7 @@ class ScaffoldClientSettings(ObjectiveSettings):
     control_lr: str = setting("used", Choice("used", "initial"), "lr in c_i⁺ = c_i − c + (x − y)/(K·lr): used (this "
                               "round's) | initial (training.lr, as the lab code)")
 
-    def check(self, run: Any) -> None:
-        """The client needs the server's control variate: strategy scaffold."""
-        require_strategy(self, run, "scaffold", "SCAFFOLD")
+    server = "scaffold"
 
 
 class Scaffold(LocalUpdate):

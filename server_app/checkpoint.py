@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from fedmm.errors import ConfigError
+from fedmm.observers import RunObserver
 from server_app.recording import atomic_file
 
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -122,3 +123,56 @@ def load_checkpoint(run_dir: Path | str) -> dict[str, Any]:
     if not isinstance(state, dict) or state.get("version") != CHECKPOINT_VERSION:
         raise ConfigError("resume", str(run_dir), f"a checkpoint of version {CHECKPOINT_VERSION} (found {state.get('version')})")
     return state
+
+
+class Checkpointer(RunObserver):
+    """Checkpoints of a run, an observer (:mod:`fedmm.observers`): after every round it keeps the
+    state to save (the strategy's, the global RNGs, the metrics and federated metrics so far, the
+    byte counters, the elapsed seconds: references, the server's arrays are never written in
+    place), writes ``checkpoint.pt`` every ``every`` rounds and after the last, and
+    :meth:`flush` writes the last round's when it was not (an interrupted or failed run can be
+    resumed from it).
+
+    Parameters
+    ----------
+    run_dir : Path
+        Where ``checkpoint.pt`` goes.
+    strategy, recorder, grid :
+        The run's strategy (its ``state_dict`` and federated metrics), its
+        :class:`~server_app.recording.RunRecorder` (``history``, ``federated``) and its counting grid
+        (``bytes_sent``, ``bytes_received``).
+    elapsed : callable
+        The run's seconds so far (a resumed run's include those before).
+    every, num_rounds : int
+        ``checkpoint_every`` (0: only after the last round) and the run's last round.
+    done : int
+        The rounds done before (a resumed run's).
+    """
+
+    def __init__(self, run_dir: Path, strategy: Any, recorder: Any, grid: Any, elapsed: Any, every: int, num_rounds: int,
+                 done: int = 0) -> None:
+        self.run_dir, self.strategy, self.recorder, self.grid, self.elapsed = run_dir, strategy, recorder, grid, elapsed
+        self.every, self.num_rounds = every, num_rounds
+        #: The last completed round, the last one saved, and the state after the last completed round.
+        self.round = self.saved = done
+        self.state: dict[str, Any] | None = None
+
+    def on_round_end(self, server_round: int) -> None:
+        federated = self.strategy.last_evaluate_metrics
+        if federated is not None:
+            self.recorder.federated[server_round] = dict(federated)
+        self.round = server_round
+        self.state = {
+            "round": server_round, "strategy": self.strategy.state_dict(), "rng": rng_states(),
+            "metrics": [dict(row) for row in self.recorder.history], "federated": dict(self.recorder.federated),
+            "bytes_sent": self.grid.bytes_sent, "bytes_received": self.grid.bytes_received, "seconds": self.elapsed(),
+        }
+        if server_round == self.num_rounds or (self.every and server_round % self.every == 0):
+            save_checkpoint(self.run_dir, self.state)
+            self.saved = server_round
+
+    def flush(self) -> None:
+        """Write the last completed round's state if it was not written."""
+        if self.state is not None and self.saved < self.round:
+            save_checkpoint(self.run_dir, self.state)
+            self.saved = self.round

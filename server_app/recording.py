@@ -24,6 +24,7 @@ import yaml
 from flwr.supercore import log
 
 from fedmm.errors import ConfigError
+from fedmm.observers import RunObserver
 from fedmm.results import CONFIG_FILE, METRICS_FILE, json_safe
 from server_app.tracking import BACKENDS, FINAL_FILES, RunInfo, Tracker, round_scalars
 
@@ -145,7 +146,7 @@ class TensorBoardTracker(Tracker):
         self.run_dir = run_dir
         self._writer: Any = None
 
-    def log_round(self, row: Mapping[str, Any]) -> None:
+    def on_metrics(self, row: Mapping[str, Any]) -> None:
         if self._writer is None:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -155,7 +156,7 @@ class TensorBoardTracker(Tracker):
             self._writer.add_scalar(key.replace("_", "/", 1) if key.startswith("federated_") else f"global/{key}", value, step)
         self._writer.flush()
 
-    def end(self, status: str, reason: str, files: Sequence[Path]) -> None:
+    def on_run_end(self, status: str, reason: str, files: Sequence[Path]) -> None:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
@@ -171,10 +172,10 @@ class CsvTracker(Tracker):
         self.run_dir = run_dir
         self.rows: list[dict[str, Any]] = []
 
-    def restore(self, rows: Sequence[Mapping[str, Any]]) -> None:
+    def on_restore(self, rows: Sequence[Mapping[str, Any]]) -> None:
         self.rows = [dict(row) for row in rows]
 
-    def log_round(self, row: Mapping[str, Any]) -> None:
+    def on_metrics(self, row: Mapping[str, Any]) -> None:
         import csv
         import io
 
@@ -196,13 +197,14 @@ def build_trackers(tracking: Any, run_dir: Path) -> list[Tracker]:
     return [own[name](run_dir) if name in own else BACKENDS[name](getattr(tracking, name)) for name in tracking.loggers]
 
 
-class RunRecorder:
-    """Writes the files of one run as it goes, and drives its trackers (:mod:`server_app.tracking`).
+class RunRecorder(RunObserver):
+    """Writes the files of one run as it goes (``metrics.jsonl``: the record) and drives its
+    trackers (:mod:`server_app.tracking`): an observer of the run (:mod:`fedmm.observers`).
 
     ``history`` holds the metrics rows so far; ``federated`` the federated-evaluation metrics
     by round. Both are part of a checkpoint, and :meth:`restore` puts them back on resume.
     ``trackers``: what follows the run besides ``metrics.jsonl`` (default: TensorBoard and CSV).
-    A tracker that fails after :meth:`start` is dropped with one warning; the run goes on.
+    A tracker that fails after :meth:`on_run_start` is dropped with one warning; the run goes on.
     """
 
     def __init__(self, path: Path, cfg: Mapping[str, Any], trackers: Sequence[Tracker] | None = None) -> None:
@@ -212,11 +214,11 @@ class RunRecorder:
         self.trackers: list[Tracker] = list(trackers) if trackers is not None else [TensorBoardTracker(path), CsvTracker(path)]
         write_atomic(path / CONFIG_FILE, yaml.safe_dump(cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg), sort_keys=False))
 
-    def start(self, info: RunInfo) -> None:
+    def on_run_start(self, info: RunInfo) -> None:
         """Start every tracker; an error (a store that does not open) fails the run before its first round."""
         for index, tracker in enumerate(self.trackers):
             try:
-                tracker.start(info)
+                tracker.on_run_start(info)
             except BaseException:
                 del self.trackers[index:]  # not started: nothing to end
                 raise
@@ -227,9 +229,9 @@ class RunRecorder:
         self.history = [dict(row) for row in history]
         self.federated = {int(r): dict(m) for r, m in federated.items()}
         write_atomic(self.path / METRICS_FILE, "".join(json.dumps(json_safe(row)) + "\n" for row in self.history))
-        self._each("restore", self.history)
+        self._each("on_restore", self.history)
 
-    def log_metrics(self, row: Mapping[str, Any]) -> None:
+    def on_metrics(self, row: Mapping[str, Any]) -> None:
         """Append one evaluated round to ``metrics.jsonl`` (one write of the whole line, synced),
         then hand it to the trackers (``metrics.csv``, TensorBoard, ...)."""
         self.history.append(dict(row))
@@ -240,14 +242,21 @@ class RunRecorder:
             os.fsync(fd)
         finally:
             os.close(fd)
-        self._each("log_round", dict(row))
+        self._each("on_metrics", dict(row))
+
+    def on_run_end(self, status: str, reason: str, files: Sequence[Path]) -> None:
+        """End the trackers with the run's status (``summary.json``'s) and its final files."""
+        self._each("on_run_end", status, reason, files)
+        self.trackers = []
+
+    def final_files(self) -> list[Path]:
+        """The run's final files that exist (:data:`~server_app.tracking.FINAL_FILES`): call it
+        after ``summary.json`` and the plot are written."""
+        return [self.path / name for name in FINAL_FILES if (self.path / name).is_file()]
 
     def close(self, status: str = "completed", reason: str = "") -> None:
-        """End the trackers with the run's status (``summary.json``'s) and its final files: call
-        it after ``summary.json`` and the plot are written."""
-        files = [self.path / name for name in FINAL_FILES if (self.path / name).is_file()]
-        self._each("end", status, reason, files)
-        self.trackers = []
+        """:meth:`on_run_end` with :meth:`final_files`."""
+        self.on_run_end(status, reason, self.final_files())
 
     def _each(self, call: str, *args: Any) -> None:
         """``call`` on every tracker; one that raises is dropped with a warning (the run goes on:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from logging import ERROR, INFO, WARNING
 from pathlib import Path
 from typing import Any
@@ -24,18 +24,19 @@ from flwr.supercore import log
 
 from fedmm import protocol
 from fedmm.data import input_spec, label_histograms, load_dataset, partition_indices, plot_label_histograms
-from fedmm.config import RunSettings, validate
+from fedmm.config import RunSettings, to_container, validate
 from fedmm.errors import ConfigError
 from fedmm.evaluation import evaluate as evaluate_model
 from fedmm.evaluation import resolve_device
 from fedmm.interrupt import raise_if_stopped
+from fedmm.observers import Observers, RunObserver
 from fedmm.models import model_for
-from server_app.checkpoint import load_checkpoint, restore_rng_states, rng_states, save_checkpoint
+from server_app.checkpoint import Checkpointer, load_checkpoint, restore_rng_states
 from server_app.recording import RunLock, RunRecorder, atomic_file, build_trackers, create_run_dir
 from server_app.tracking import run_info
 from strategies import build_strategy
 from strategies.messaging import exchange
-from strategies.multimodel import MultiModelStrategy
+from strategies.multimodel import MultiModel
 
 
 def payload_bytes(messages: list[Message]) -> int:
@@ -112,8 +113,10 @@ def federation_size(grid: Grid, settle: float = 1.0, timeout: float = 60.0, expe
 _FEDERATION_SIZES: dict[int, int] = {}
 
 
-def fit_federation_size(run: RunSettings, grid: Grid, expected: int | None = None) -> None:
-    """`flwr run` sets the number of SuperNodes in the federation config; it wins over num_clients."""
+def fit_federation_size(settings: RunSettings | Mapping[str, Any], grid: Grid, expected: int | None = None) -> dict[str, Any]:
+    """The run's config with the federation's size settled before it is validated: `flwr run`
+    sets the number of SuperNodes in the federation config, and it wins over ``num_clients``."""
+    config = settings.to_dict() if isinstance(settings, RunSettings) else to_container(settings)
     try:
         run_id = int(grid.run.run_id)
     except (AttributeError, TypeError, ValueError):  # a grid without a run: no cache
@@ -123,11 +126,13 @@ def fit_federation_size(run: RunSettings, grid: Grid, expected: int | None = Non
         connected = federation_size(grid, expected=expected)
         if run_id is not None and connected:
             _FEDERATION_SIZES[run_id] = connected
-    if connected and connected != run.num_clients:
-        log(WARNING, "num_clients=%d but the federation has %d SuperNodes: using %d clients.", run.num_clients, connected, connected)
-        run.num_clients = connected
-        if run.clients_per_round > connected:
-            raise ConfigError("clients_per_round", run.clients_per_round, f"at most the {connected} SuperNodes of the federation")
+    if connected and connected != config.get("num_clients"):
+        log(WARNING, "num_clients=%s but the federation has %d SuperNodes: using %d clients.", config.get("num_clients"),
+            connected, connected)
+        if int(config.get("clients_per_round", 0)) > connected:
+            raise ConfigError("clients_per_round", config["clients_per_round"], f"at most the {connected} SuperNodes of the federation")
+        config["num_clients"] = connected
+    return config
 
 
 def time_left(history: list[dict[str, Any]], num_rounds: int) -> str:
@@ -168,46 +173,47 @@ def plot_title(run: RunSettings, simulation: bool = True) -> str:
 
 
 def run_experiment(grid: Grid, settings: RunSettings | Mapping[str, Any], simulation: bool = True,
-                   num_supernodes: int | None = None) -> Path:
+                   num_supernodes: int | None = None, observers: Iterable[RunObserver] = ()) -> Path:
     """Run (or, with ``resume``, continue) the configured experiment on ``grid``; return the run directory.
 
     ``settings``: the run's settings (:func:`fedmm.config.validate`; a plain config is validated).
     ``num_supernodes``: the size of the simulated federation when the caller started it (no
-    waiting for the registration of the SuperNodes to settle).
+    waiting for the registration of the SuperNodes to settle). ``observers``: what sees the run
+    besides its record, trackers and checkpoints (:mod:`fedmm.observers`).
     """
-    cfg = validate(settings)  # this run's own copy
+    # the federation's size is settled first, then the settings are validated once (read-only from then on)
+    cfg = validate(fit_federation_size(settings, grid, expected=num_supernodes) if simulation else settings)
     checkpoint = load_checkpoint(cfg.resume) if cfg.resume else None
-    if simulation:
-        fit_federation_size(cfg, grid, expected=num_supernodes)
-    if checkpoint is not None:
+    if checkpoint is not None:  # its settings are the run's own (resume_config), output_dir its directory
         run_dir = Path(cfg.resume).expanduser().resolve()
         done = int(checkpoint["round"])
         if done >= cfg.num_rounds:
             raise ConfigError("num_rounds", cfg.num_rounds, f"more than the {done} rounds the run in {run_dir} has finished, to continue it")
-        cfg.output_dir = str(run_dir)
     else:
         run_dir = create_run_dir(cfg, simulation)
     log(INFO, "fedmm run directory: %s", run_dir)
     lock = RunLock(run_dir)  # a second run in this directory is refused while this one runs
     try:
-        return run_locked(grid, cfg, run_dir, checkpoint, simulation)
+        return run_locked(grid, cfg, run_dir, checkpoint, simulation, observers)
     finally:
         lock.release()
 
 
-def run_locked(grid: Grid, cfg: RunSettings, run_dir: Path, checkpoint: dict[str, Any] | None, simulation: bool) -> Path:
-    """The run in ``run_dir``, its lock held: set-up, the rounds, the final files (where the
-    ServerApp's own work starts: what a timer of the run wraps)."""
+def run_locked(grid: Grid, cfg: RunSettings, run_dir: Path, checkpoint: dict[str, Any] | None, simulation: bool,
+               observers: Iterable[RunObserver] = ()) -> Path:
+    """The run in ``run_dir``, its lock held: set-up, the rounds, the final files. Its record
+    (:class:`~server_app.recording.RunRecorder` with its trackers), its checkpoints
+    (:class:`~server_app.checkpoint.Checkpointer`) and ``observers`` see it through one interface."""
     recorder = RunRecorder(run_dir, cfg, build_trackers(cfg.tracking, run_dir))
+    watchers = Observers([recorder, *observers])
     counting = CountingGrid(grid)
     num_rounds = cfg.num_rounds
     t0 = time.perf_counter()
-    # The state after the last completed round (the server's arrays are never written in place,
-    # so references suffice): what a checkpoint holds, also when the run is interrupted mid-round.
-    last: dict[str, Any] = {"round": 0, "saved": 0, "state": None}
+    done = 0 if checkpoint is None else int(checkpoint["round"])
+    checkpoints: Checkpointer | None = None
     status: dict[str, Any] = {"status": "failed", "reason": "the run stopped before its first round"}
     try:
-        recorder.start(run_info(cfg, run_dir, simulation, resumed_at=None if checkpoint is None else int(checkpoint["round"]) + 1))
+        watchers.on_run_start(run_info(cfg, run_dir, simulation, resumed_at=None if checkpoint is None else done + 1))
         seed_everything(cfg.seed)
 
         d = cfg.dataset
@@ -228,7 +234,7 @@ def run_locked(grid: Grid, cfg: RunSettings, run_dir: Path, checkpoint: dict[str
             with torch.no_grad():
                 table[: len(vectors)] = torch.from_numpy(vectors[: len(table)])
             log(INFO, "fedmm: %d of %d vocabulary words initialised from %s", found, len(vectors) - 2, d.embeddings_path)
-        strategy = build_strategy(cfg)
+        strategy = build_strategy(cfg, watchers)
         device = resolve_device(cfg.training.device)
         eval_every = cfg.eval_every
         checkpoint_every = cfg.checkpoint_every
@@ -242,6 +248,9 @@ def run_locked(grid: Grid, cfg: RunSettings, run_dir: Path, checkpoint: dict[str
             start_round = int(checkpoint["round"]) + 1
             log(INFO, "fedmm: resuming at round %d/%d from %s", start_round, num_rounds, run_dir)
         t0 = time.perf_counter() - seconds_before
+        checkpoints = Checkpointer(run_dir, strategy, recorder, counting, lambda: time.perf_counter() - t0, checkpoint_every,
+                                   num_rounds, done)
+        watchers.add(checkpoints)
 
         def central_evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
             if server_round % eval_every and server_round != num_rounds:
@@ -282,7 +291,7 @@ def run_locked(grid: Grid, cfg: RunSettings, run_dir: Path, checkpoint: dict[str
                 if federated:  # clients' held-out rows, example-weighted
                     row["federated_accuracy"] = federated.get("accuracy")
                     row["federated_loss"] = federated.get("loss")
-            recorder.log_metrics(row)
+            watchers.on_metrics(row)
             left = time_left(recorder.history, num_rounds)
             log(
                 INFO,
@@ -296,27 +305,6 @@ def run_locked(grid: Grid, cfg: RunSettings, run_dir: Path, checkpoint: dict[str
             )
             return MetricRecord({"accuracy": metrics["accuracy"], "loss": metrics["loss"]})
 
-        last["round"] = last["saved"] = start_round - 1
-
-        def round_end(server_round: int, arrays: ArrayRecord, result: Result) -> None:
-            federated = result.evaluate_metrics_clientapp.get(server_round)
-            if federated is not None:
-                recorder.federated[server_round] = dict(federated)
-            last["round"] = server_round
-            last["state"] = {
-                "round": server_round,
-                "strategy": strategy.state_dict(),
-                "rng": rng_states(),
-                "metrics": [dict(row) for row in recorder.history],
-                "federated": dict(recorder.federated),
-                "bytes_sent": counting.bytes_sent,
-                "bytes_received": counting.bytes_received,
-                "seconds": time.perf_counter() - t0,
-            }
-            if server_round == num_rounds or (checkpoint_every and server_round % checkpoint_every == 0):
-                save_checkpoint(run_dir, last["state"])
-                last["saved"] = server_round
-
         run_config = ConfigRecord({protocol.RUN_CONFIG: protocol.run_config_record(cfg)})
         result = strategy.start(
             grid=counting,
@@ -327,7 +315,6 @@ def run_locked(grid: Grid, cfg: RunSettings, run_dir: Path, checkpoint: dict[str
             evaluate_config=run_config,
             evaluate_fn=central_evaluate,
             start_round=start_round,
-            round_end=round_end,
             max_failed_rounds=cfg.max_failed_rounds or None,
             final_report=False,  # the run directory holds the results
             return_models=False,  # written from the strategy's pool below (no second copy)
@@ -337,23 +324,24 @@ def run_locked(grid: Grid, cfg: RunSettings, run_dir: Path, checkpoint: dict[str
         final = result.arrays if len(result.arrays) else ArrayRecord(model.state_dict())
         with atomic_file(run_dir / "final_model.pt", "wb") as f:  # never half-written
             torch.save(final.to_torch_state_dict(), f)
-        if isinstance(strategy, MultiModelStrategy):
+        if isinstance(strategy, MultiModel):
             pool = strategy.pool()
             with atomic_file(run_dir / "final_models.npz", "wb") as f:
                 np.savez(f, **{f"{i}/{k}": v for i, m in enumerate(pool) for k, v in m.items()})
         status = {"status": "completed"}
     except KeyboardInterrupt:
-        status = {"status": "interrupted", "reason": f"interrupted after round {last['round']} (resume=<this run dir> continues it)"}
+        rounds_done = checkpoints.round if checkpoints else done
+        status = {"status": "interrupted", "reason": f"interrupted after round {rounds_done} (resume=<this run dir> continues it)"}
         raise
     except SystemExit as err:
-        status = exit_status(err, last["round"])
+        status = exit_status(err, checkpoints.round if checkpoints else done)
         raise
     except BaseException as err:
         status = {"status": "failed", "reason": f"{type(err).__name__}: {err}"}
         raise
     finally:
-        if last["state"] is not None and last["saved"] < last["round"]:
-            save_checkpoint(run_dir, last["state"])  # an interrupted or failed run can be resumed
+        if checkpoints is not None:
+            checkpoints.flush()  # an interrupted or failed run can be resumed
         if status["status"] != "completed":
             log(ERROR, "fedmm run %s: %s", status["status"], status.get("reason", ""))
         # The summary before the plot: a stopped deployment's ServerApp has Flower's 5 s (its
@@ -363,7 +351,7 @@ def run_locked(grid: Grid, cfg: RunSettings, run_dir: Path, checkpoint: dict[str
                 "summary.json",
                 {
                     **status,
-                    "rounds_completed": last["round"],
+                    "rounds_completed": checkpoints.round if checkpoints else done,
                     "num_rounds": num_rounds,
                     "final_accuracy": recorder.history[-1]["accuracy"] if recorder.history else None,
                     "best_accuracy": max((r["accuracy"] for r in recorder.history), default=None),
@@ -375,6 +363,6 @@ def run_locked(grid: Grid, cfg: RunSettings, run_dir: Path, checkpoint: dict[str
             if recorder.history:
                 recorder.plot_learning_curve(plot_title(cfg, simulation))
         finally:  # the trackers last: they keep summary.json and the plot
-            recorder.close(status["status"], status.get("reason", ""))
+            watchers.on_run_end(status["status"], status.get("reason", ""), recorder.final_files())
     log(INFO, "fedmm results written to: %s", run_dir)
     return run_dir

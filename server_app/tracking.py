@@ -1,18 +1,18 @@
 """Experiment trackers: what follows a run besides ``metrics.jsonl`` (``tracking.loggers``).
 
 ``metrics.jsonl`` is the record of a run and is always written (:class:`~server_app.recording.RunRecorder`);
-each tracker is one view of the same rows, one class per backend, all with the same four calls,
-which the recorder drives:
+each tracker is one view of the same rows, one class per backend, an observer of the run
+(:mod:`fedmm.observers`) with the same four events, which the recorder hands it:
 
-- ``start(info)``: before the run's set-up (name = the run folder's name, the resolved settings
-  as parameters / config, tags: strategy, objective, dataset, partition, seed, engine). An error
-  here fails the run before its first round;
-- ``restore(rows)``: a resumed run's rows up to its checkpoint (MLflow and W&B start a new run
-  and log them again, so every tracked run's history is its ``metrics.jsonl``);
-- ``log_round(row)``: each evaluated round, the round as the step, the row's numbers (the
+- ``on_run_start(info)``: before the run's set-up (name = the run folder's name, the resolved
+  settings as parameters / config, tags: strategy, objective, dataset, partition, seed, engine).
+  An error here fails the run before its first round;
+- ``on_restore(rows)``: a resumed run's rows up to its checkpoint (MLflow and W&B start a new
+  run and log them again, so every tracked run's history is its ``metrics.jsonl``);
+- ``on_metrics(row)``: each evaluated round, the round as the step, the row's numbers (the
   scalars TensorBoard gets);
-- ``end(status, reason, files)``: the run's status (``completed``, ``failed``, ``interrupted``,
-  ``stopped``, as in ``summary.json``) in the backend's terms, and the run's final files.
+- ``on_run_end(status, reason, files)``: the run's status (``completed``, ``failed``,
+  ``interrupted``, ``stopped``, as in ``summary.json``) in the backend's terms, and the run's final files.
 
 A tracker that fails after its start (an MLflow server gone) is dropped by the recorder with one
 warning; the run goes on. In a ``fedmm -m`` sweep (``tracking.sweep``, set by ``launch/cli.py``)
@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from fedmm.errors import ConfigError
+from fedmm.observers import RunObserver
 from fedmm.results import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, json_safe
 
 #: The run's files a tracker keeps at the end (those present): settings, record, outcome, plot, models.
@@ -105,22 +106,13 @@ def file_lock(path: Path) -> Iterator[None]:
         os.close(fd)
 
 
-class Tracker:
-    """One backend that follows a run (see the module's docstring for the calls)."""
+class Tracker(RunObserver):
+    """One backend that follows a run, an observer of its run-level events (see the module's
+    docstring): ``on_run_start`` opens the backend's run, ``on_restore`` gets the rows a resumed
+    run recorded up to its checkpoint, ``on_metrics`` each evaluated round (``row["round"]`` is
+    the step), ``on_run_end`` the run's outcome and final files (those in :data:`FINAL_FILES` that exist)."""
 
     name: ClassVar[str] = ""
-
-    def start(self, info: RunInfo) -> None:
-        """Open the backend's run."""
-
-    def restore(self, rows: Sequence[Mapping[str, Any]]) -> None:
-        """A resumed run: the rows recorded up to its checkpoint."""
-
-    def log_round(self, row: Mapping[str, Any]) -> None:
-        """One evaluated round (``row["round"]`` is the step)."""
-
-    def end(self, status: str, reason: str, files: Sequence[Path]) -> None:
-        """The run's outcome and final files (those in :data:`FINAL_FILES` that exist)."""
 
 
 def _sqlite_path(uri: str) -> Path | None:
@@ -161,7 +153,7 @@ class MlflowTracker(Tracker):
                 stack.enter_context(file_lock(path))
             yield
 
-    def start(self, info: RunInfo) -> None:
+    def on_run_start(self, info: RunInfo) -> None:
         from mlflow import MlflowClient
         from mlflow.entities import Param
 
@@ -224,11 +216,11 @@ class MlflowTracker(Tracker):
             tags["fedmm.sweep"] = str(info.sweep)
         return self.client.create_run(experiment_id, run_name=info.group, tags=tags).info.run_id
 
-    def restore(self, rows: Sequence[Mapping[str, Any]]) -> None:
+    def on_restore(self, rows: Sequence[Mapping[str, Any]]) -> None:
         for row in rows:
-            self.log_round(row)
+            self.on_metrics(row)
 
-    def log_round(self, row: Mapping[str, Any]) -> None:
+    def on_metrics(self, row: Mapping[str, Any]) -> None:
         import time
 
         from mlflow.entities import Metric
@@ -237,7 +229,7 @@ class MlflowTracker(Tracker):
         metrics = [Metric(k, float(v), stamp, step) for k, v in round_scalars(row).items()]
         self.client.log_batch(self.run_id, metrics=metrics)
 
-    def end(self, status: str, reason: str, files: Sequence[Path]) -> None:
+    def on_run_end(self, status: str, reason: str, files: Sequence[Path]) -> None:
         for path in files:
             self.client.log_artifact(self.run_id, str(path), artifact_path="model" if path.name in MODEL_FILES else None)
         self.client.set_tag(self.run_id, "fedmm.status", status)
@@ -271,7 +263,7 @@ class WandbTracker(Tracker):
         self.run: Any = None
         self.run_dir: Path | None = None
 
-    def start(self, info: RunInfo) -> None:
+    def on_run_start(self, info: RunInfo) -> None:
         import wandb
 
         s = self.settings
@@ -288,14 +280,14 @@ class WandbTracker(Tracker):
                               f"server reachable (project {s.project!r}, entity {s.entity!r}: {type(err).__name__}: "
                               f"{str(err).splitlines()[0] if str(err) else ''})") from err
 
-    def restore(self, rows: Sequence[Mapping[str, Any]]) -> None:
+    def on_restore(self, rows: Sequence[Mapping[str, Any]]) -> None:
         for row in rows:
-            self.log_round(row)
+            self.on_metrics(row)
 
-    def log_round(self, row: Mapping[str, Any]) -> None:
+    def on_metrics(self, row: Mapping[str, Any]) -> None:
         self.run.log(round_scalars(row), step=int(row["round"]))
 
-    def end(self, status: str, reason: str, files: Sequence[Path]) -> None:
+    def on_run_end(self, status: str, reason: str, files: Sequence[Path]) -> None:
         import wandb
 
         try:

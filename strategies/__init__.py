@@ -1,83 +1,67 @@
 """Server-side strategies: one module per method, found by its settings declaration.
 
-A method is a :class:`~strategies.base.RoundLoopStrategy` subclass with a ``Settings``
-declaration (:class:`~strategies.base.StrategySettings`) in a module of this package, or of any
-package named by a ``fedmm.strategy`` entry point: ``strategy.name`` selects it, nothing lists it.
-
-The strategy classes work in any Flower app (they need only Flower's message conventions)::
+A method is a :class:`~strategies.method.Method` subclass with a ``Settings`` declaration
+(:class:`~strategies.strategy_settings.StrategySettings`) in a module of this package, or of any
+package named by a ``fedmm.strategy`` entry point: ``strategy.name`` selects it, and nothing
+lists it, here either. The strategy classes work in any Flower app (they need only Flower's
+message conventions)::
 
     from strategies import FedMR, FedCross, FedMut, FedAvg
 
-Every method class and every client selector of this package is imported here by name and
-listed in ``__all__`` (tests/test_architecture.py checks the list against discovery); a plugin's
-classes are imported from its own package.
+A method class is found by its name among the declared methods (:func:`fedmm.settings.discover`,
+which imports the modules of this package that declare them); the bases and drivers a method is
+built on, and the client selectors, are imported here by name.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from flwr.serverapp.strategy import Strategy
 
 from fedmm.config import as_run
-from strategies.async_multimodel import AsyncMultiModel, FedCrossAsync, FedMRAsync
-from strategies.asynchronous import AsyncRoundLoop
-from strategies.base import RoundLoopStrategy, StrategySettings
+from fedmm.observers import RunObserver
+from strategies.asynchronous import AsyncRound
+from strategies.base import FedmmStrategy, Participants
 from strategies.clustered_sampling import ClusteredSelector
-from strategies.fedavg import FedAvg
-from strategies.fedbuff import FedBuff
-from strategies.fedcross import FedCross
-from strategies.feddyn import FedDyn
-from strategies.fedexp import FedExP
-from strategies.fedgen import FedGen
-from strategies.fedmr import FedMR
-from strategies.fedmut import FedMut
-from strategies.heterogeneity import LocalWork
-from strategies.multimodel import MultiModelStrategy
-from strategies.scaffold import Scaffold
+from strategies.method import Method
+from strategies.multimodel import MultiModel
+from strategies.rounds import SyncRound
 from strategies.selection import ClientSelector, SeededRosterSelector
-from strategies.solo import Solo
+from strategies.strategy_settings import StrategySettings
 
-__all__ = [
-    "build_strategy",
-    # the bases a method subclasses
-    "RoundLoopStrategy",
-    "MultiModelStrategy",
-    "AsyncRoundLoop",
-    "AsyncMultiModel",
-    "StrategySettings",
-    # the methods (strategy.name)
-    "FedAvg",
-    "FedBuff",
-    "FedCross",
-    "FedCrossAsync",
-    "FedDyn",
-    "FedExP",
-    "FedGen",
-    "FedMR",
-    "FedMRAsync",
-    "FedMut",
-    "Scaffold",
-    "Solo",
-    # the client selectors (selection)
-    "ClientSelector",
-    "SeededRosterSelector",
-    "ClusteredSelector",
-]
+#: What this package defines besides the methods: the bases a method subclasses, the drivers, the selectors.
+FOUNDATIONS = ["build_strategy", "methods", "Method", "MultiModel", "StrategySettings", "FedmmStrategy", "Participants",
+               "SyncRound", "AsyncRound", "ClientSelector", "SeededRosterSelector", "ClusteredSelector"]
 
 
-def build_strategy(cfg: Any) -> Strategy:
-    """The strategy that ``strategy.name`` selects, with the client selector of ``selection``,
-    waiting at most ``min_nodes_timeout`` for nodes (``cfg``: run settings or a plain config)."""
+def methods() -> dict[str, type[Method]]:
+    """Every method class of the declared strategy options (this package's and any installed
+    plugin's), by class name."""
+    from fedmm.settings import discover
+
+    return {cls.strategy_class.__name__: cls.strategy_class for cls in discover("strategy").values()
+            if getattr(cls, "strategy_class", None) is not None}
+
+
+def __getattr__(name: str) -> Any:
+    """``from strategies import FedMR``: a method class, by its name among the declared methods;
+    ``__all__``: the foundations and every declared method class."""
+    if name == "__all__":
+        return FOUNDATIONS + sorted(methods())
+    found = methods().get(name) if not name.startswith("_") else None
+    if found is None:
+        raise AttributeError(f"module 'strategies' has no attribute {name!r}")
+    return found
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *methods()})
+
+
+def build_strategy(cfg: Any, observers: Iterable[RunObserver] = ()) -> Strategy:
+    """The strategy that ``strategy.name`` selects, with its client selector, its clock's work
+    model and the roster query (``cfg``: run settings or a plain config), seen by ``observers``."""
     run = as_run(cfg)
-    strategy = run.strategy.strategy_class.from_settings(run)
-    selector = run.selection.build(run)
-    if selector is not None:
-        strategy.selector = selector
-    if isinstance(strategy.selector, SeededRosterSelector):
-        strategy.selector.min_nodes_timeout = float(run.min_nodes_timeout) or None
-        strategy.selector.query = True  # the fedmm ClientApp answers the roster query
-    if isinstance(strategy, RoundLoopStrategy):  # the virtual clock models the clients' local work
-        strategy.clock.work = LocalWork.from_run(run)
-    return strategy
-
+    return run.strategy.strategy_class.from_settings(run, observers)

@@ -1,4 +1,7 @@
-"""Asynchronous rounds: the event loop FedBuff and the asynchronous FedMR / FedCross share.
+"""Asynchronous rounds: the driver that runs any method without a round barrier.
+
+FedBuff is a one-model method on it; the asynchronous FedMR and FedCross are FedMR and FedCross
+on it (the same arithmetic as their synchronous rounds, applied to the models that came back).
 
 There is no round barrier. A **job** is one model sent to one free client; the server keeps up to
 a number of jobs in flight (FedBuff: its concurrency; the multi-model methods: one per model) on
@@ -25,7 +28,16 @@ nodes ordered by their stable keys, with ``rng(seed, round)`` for the first draw
 aggregation (``round`` = aggregations + 1, what the synchronous selector uses, so a draw among
 all nodes is the synchronous sample) and ``rng(seed, round, 2, n)`` for the n-th further one.
 
-Resume. :meth:`AsyncRoundLoop.state_dict` holds the jobs in flight (node key, model, version,
+What a round is depends on what the method holds (:attr:`strategies.method.Method.holds`):
+one model (:class:`OneModelJobs`, FedBuff): up to C clients train at once, each on the model
+version it received, and B accepted updates end a round (B failed jobs in a row end one with no
+aggregation); a model per node (:class:`PerNodeJobs`): each of the K models goes to the next free
+client as soon as it is at the server, and B models back (trained or failed) end a round, whose
+aggregation touches those B only. Either way the round ends as every round does
+(:func:`strategies.rounds.end`): the defence stage on the round's updates, each against the model
+version it was sent, then the method's aggregate.
+
+Resume. :meth:`AsyncRound.state_dict` holds the jobs in flight (node key, model, version,
 times), never a reply; after a resume they are sent again, to the node with the same key, with
 the same model and config, so a resumed run equals an uninterrupted one.
 """
@@ -36,10 +48,10 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from logging import INFO, WARNING
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
@@ -48,10 +60,14 @@ from fedmm.errors import ConfigError
 from fedmm.interrupt import STOP, raise_if_stopped
 from fedmm.protocol import ClientUpdate, ModelDict
 from fedmm.settings import Int, Nullable, setting
-from strategies.base import RoundLoopStrategy, RunFailed
+from strategies.base import RunFailed
 from strategies.ledger import ReplyCheck
 from strategies.messaging import POLL_INTERVAL
-from strategies.selection import SeededRosterSelector
+from strategies.method import PER_NODE
+from strategies.rounds import begin, end
+
+if TYPE_CHECKING:
+    from strategies.method import Method
 
 #: rng stream of the dispatch draws after the first of a round (0: training, 1: evaluation).
 ASYNC_STREAM = 2
@@ -97,7 +113,7 @@ class Job:
     id: int
     node: int
     key: str
-    model_index: int  # the model it carries (FedBuff: 0)
+    model_index: int  # the model it carries (one-model methods: 0)
     version: int  # aggregations the server had made when it was sent
     server_round: int  # the ``server-round`` it was sent with (version + 1)
     repeat: int  # earlier jobs of this node with the same server-round
@@ -124,17 +140,269 @@ class Job:
         return self.lost or ("" if self.update is not None else self.reason or "no reply")
 
 
-class AsyncRoundLoop(RoundLoopStrategy):
-    """The asynchronous event loop on top of :class:`~strategies.base.RoundLoopStrategy`.
+class OneModelJobs:
+    """What jobs and rounds are for a method with one model (FedBuff): up to C jobs in flight
+    (``concurrency``, default K), each with the model version current when it was sent; B
+    accepted updates end a round (``buffer_size``, default ⌈C/2⌉), and so do B failed jobs in a
+    row (no aggregation then); an update older than ``max_staleness`` versions is dropped."""
 
-    A method says which models go out (:meth:`wanted`, :meth:`payload`), what an ended job does
-    (:meth:`arrive`, True when the round is over) and what a round returns (:meth:`close`).
-    """
+    def __init__(self, strategy: Method, loop: AsyncRound) -> None:
+        self.strategy, self.loop = strategy, loop
+        #: The model versions that jobs in flight were sent (and the current one).
+        self.versions: dict[int, ModelDict] = {}
+        self.buffered: list[ClientUpdate] = []
+        #: Jobs in a row that failed (B of them end a round with no aggregation: max_failed_rounds).
+        self.failed_in_a_row = 0
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def limit(self) -> int:
+        return self.strategy.settings.concurrency or self.strategy.clients_per_round
+
+    def minimum_nodes(self) -> int:
+        return self.limit()
+
+    def buffer(self) -> int:
+        return self.strategy.settings.buffer_size or half(self.limit())
+
+    def wanted(self) -> list[int]:
+        return [0] * max(0, self.limit() - len(self.loop.jobs))
+
+    def payload(self, job: Job) -> ModelDict:
+        return self.versions.setdefault(job.version, self.strategy.models[0])
+
+    def sent(self, job: Job) -> None:
+        self.payload(job)
+
+    def arrive(self, job: Job) -> bool:
+        """Keep the update (or drop it); True when the round is over."""
+        staleness = self.loop.staleness(job)
+        limit = self.strategy.settings.max_staleness
+        reason = job.failure
+        if not reason and limit is not None and staleness > limit:
+            reason = f"staleness {staleness} exceeds max_staleness ({limit}): update dropped"
+            self.loop.failures.append(f"{self.loop.name(job)}: {reason}")
+        if reason or job.update is None:
+            self.failed_in_a_row += 1
+            self.forget_versions()
+            return self.failed_in_a_row >= self.buffer()
+        self.failed_in_a_row = 0
+        job.update.sent, job.update.staleness = self.versions[job.version], staleness
+        self.buffered.append(job.update)
+        self.forget_versions()
+        return len(self.buffered) >= self.buffer()
+
+    def forget_versions(self) -> None:
+        """Keep only the versions a job in flight was sent, and the current one."""
+        keep = {job.version for job in self.loop.jobs.values()} | {self.loop.version}
+        self.versions = {v: m for v, m in self.versions.items() if v in keep}
+
+    def close(self, server_round: int) -> tuple[ArrayRecord | None, MetricRecord, bool]:
+        """The round's end over the buffered updates (none when it ended on failures):
+        (arrays, metrics, whether an aggregation was made)."""
+        updates = self.buffered
+        if len(updates) < self.buffer():  # B failed jobs in a row: no step this round
+            self.strategy.last_round.replies, self.strategy.last_round.rejections = 0, list(self.loop.failures)
+            self.loop.log_round(server_round, 0, self.failed_in_a_row)
+            self.failed_in_a_row = 0
+            return None, MetricRecord({"replies": 0.0}), False
+        self.buffered = []
+        self.loop.log_staleness([u.staleness for u in updates])
+        arrays, metrics = end(self.strategy, self.loop.version + 1, updates, self.loop.failures)
+        self.versions[self.loop.version + 1] = self.strategy.models[0]
+        self.loop.log_round(server_round, self.strategy.last_round.replies, len(updates) + len(self.loop.failures))
+        return arrays, metrics, True
+
+    def state_dict(self) -> dict[str, Any]:
+        """The versions in flight (the buffer is empty between rounds)."""
+        return {"fedbuff": {"versions": dict(self.versions), "failed_in_a_row": self.failed_in_a_row}}
+
+    def load_state_dict(self, state: Any) -> None:
+        saved = state["fedbuff"]
+        self.versions = {int(v): m for v, m in saved["versions"].items()}
+        self.failed_in_a_row = int(saved["failed_in_a_row"])
+
+
+class PerNodeJobs:
+    """What jobs and rounds are for a method with a model per node (asynchronous FedMR, FedCross):
+    each of the K models goes to the next free client as soon as it is at the server; B models
+    back (trained, failed, or too stale: ``max_staleness``, the model restarts from the global
+    model) end a round, whose operation acts among those B (``buffer_size``, default ⌈K/2⌉)."""
+
+    def __init__(self, strategy: Method, loop: AsyncRound) -> None:
+        self.strategy, self.loop = strategy, loop
+        #: Models at the server waiting for a free client, in the order they go out.
+        self.ready: list[int] = list(range(strategy.clients_per_round))
+        #: Models back since the last aggregation: index -> the accepted update (None: failed, or too stale).
+        self.arrived: dict[int, ClientUpdate | None] = {}
+
+    def minimum_nodes(self) -> int:
+        return self.strategy.clients_per_round
+
+    def buffer(self) -> int:
+        return self.strategy.settings.buffer_size or half(self.strategy.clients_per_round)
+
+    def wanted(self) -> list[int]:
+        return list(self.ready)
+
+    def payload(self, job: Job) -> ModelDict:
+        return self.strategy.models[job.model_index]
+
+    def sent(self, job: Job) -> None:
+        self.ready.remove(job.model_index)
+
+    def arrive(self, job: Job) -> bool:
+        """The model is back: trained, or as it was sent (failed), or restarted (too stale)."""
+        s = self.strategy
+        staleness, limit = self.loop.staleness(job), s.settings.max_staleness
+        update = None if job.failure else job.update
+        if update is not None and limit is not None and staleness > limit:
+            self.loop.failures.append(f"{self.loop.name(job)}: staleness {staleness} exceeds max_staleness "
+                                      f"({limit}): the model restarts from the global model")
+            s.models[job.model_index] = s.global_model
+            update = None
+        if update is not None:  # the model it was sent is still the model of its index (none is changed in flight)
+            update.sent, update.staleness = s.models[job.model_index], staleness
+        self.arrived[job.model_index] = update
+        return len(self.arrived) >= self.buffer()
+
+    def close(self, server_round: int) -> tuple[ArrayRecord | None, MetricRecord, bool]:
+        """The round's end among the B models back (the K-model mean is the global model)."""
+        indices = sorted(self.arrived)
+        updates = [u for u in (self.arrived[i] for i in indices) if u is not None]
+        self.loop.log_staleness([u.staleness for u in updates])
+        before = len(self.loop.failures)
+        arrays, metrics = end(self.strategy, self.loop.version + 1, updates, self.loop.failures, members=indices)
+        for reason in self.loop.failures[before:]:
+            log(WARNING, "\t> rejected: %s", reason)
+        self.arrived = {}
+        self.ready = sorted(self.ready + indices)
+        self.loop.log_round(server_round, self.strategy.last_round.replies, len(indices))
+        return arrays, metrics, True
+
+    def state_dict(self) -> dict[str, Any]:
+        """The models waiting for a client (none are back at a round's end)."""
+        return {"multimodel": {"ready": list(self.ready), "arrived": {}}}
+
+    def load_state_dict(self, state: Any) -> None:
+        self.ready = [int(i) for i in state["multimodel"]["ready"]]
+        self.arrived = {}
+
+
+class AsyncRound:
+    """The asynchronous driver (module docstring): jobs, dispatch, order, faults and resume; what
+    a job carries and what ends a round is its policy's (:class:`OneModelJobs` or :class:`PerNodeJobs`)."""
+
+    #: Refused with secure recombination (its exchanges need one synchronous round's clients).
+    asynchronous = True
+    #: The roster query asks the nodes for their sizes (the virtual clock times a job when it is sent).
+    needs_sizes = True
+
+    def __init__(self, strategy: Method) -> None:
+        self.strategy = strategy
+        self.policy = (PerNodeJobs if strategy.holds == PER_NODE else OneModelJobs)(strategy, self)
         #: Aggregations so far (the version of the server's models).
         self.version = 0
+        #: The jobs in flight.
+        self.flight = Flight(self)
+        #: Jobs that failed this round (reasons), for the log and ``max_failed_rounds``.
+        self.failures: list[str] = []
+        self.num_rounds: int | None = None
+
+    @property
+    def jobs(self) -> dict[int, Job]:
+        """The jobs in flight, by number."""
+        return self.flight.jobs
+
+    # ================================================================== the driver
+    def configure(self, *args: Any) -> list[Message]:
+        raise NotImplementedError(f"{type(self.strategy).__name__} runs its own asynchronous loop: call its start() "
+                                  "(Flower's configure_train / aggregate_train drive synchronous rounds)")
+
+    aggregate = configure
+
+    def start(self, num_rounds: int) -> None:
+        """No job is sent after the last aggregation; the clock starts."""
+        self.num_rounds = num_rounds
+        self.strategy.clock.restart()
+
+    def run(self, server_round: int, grid: Grid, arrays: ArrayRecord, config: ConfigRecord,
+            timeout: float) -> tuple[ArrayRecord | None, MetricRecord]:
+        """Handle ended jobs, sending new ones, until the next aggregation (one "round")."""
+        s = self.strategy
+        begin(s, arrays)
+        flight = self.flight
+        self.failures, flight.train_config = [], config
+        with s.observers.phase(server_round, "exchange"):
+            flight.resend(grid)
+            flight.dispatch(grid)
+            while True:
+                job = flight.next_ended(grid, timeout)
+                del flight.jobs[job.id]
+                if job.failure:
+                    self.failures.append(f"{self.name(job)}: {job.failure}")
+                    log(WARNING, "\t> job failed: %s", self.failures[-1])
+                elif job.update is not None:
+                    flight.sizes[job.key] = job.update.num_examples
+                if self.policy.arrive(job):
+                    break
+                flight.dispatch(grid)
+        s.round_log.update({"virtual_time": s.clock.now, "in_flight": float(len(self.jobs))})
+        with s.observers.phase(server_round, "aggregate"):
+            arrays, metrics, aggregated = self.policy.close(server_round)
+        if aggregated:  # a new version: its draws start at stream 0 again
+            self.version += 1
+            flight.draws = 0
+        flight.forget_encoded(self.version)
+        if self.num_rounds is None or server_round < self.num_rounds:
+            flight.dispatch(grid)
+        return arrays, metrics
+
+    def describe(self) -> str:
+        return (f"Asynchronous: B={self.policy.buffer()} per aggregation, at most {self.policy.minimum_nodes()} jobs in "
+                f"flight, {self.strategy.clock.settings.clock} clock")
+
+    def staleness(self, job: Job) -> int:
+        """Aggregations since the job's model was sent."""
+        return self.version - job.version
+
+    def name(self, job: Job) -> str:
+        several = len(self.strategy.models or []) > 1
+        return f"node {job.node} (job {job.id}" + (f", model {job.model_index})" if several else ")")
+
+    def log_staleness(self, staleness: list[int]) -> None:
+        if staleness:
+            self.strategy.round_log.update({"staleness_mean": sum(staleness) / len(staleness),
+                                            "staleness_max": float(max(staleness))})
+
+    def log_round(self, server_round: int, used: int, ended: int) -> None:
+        log(INFO, "aggregate_train: round %d (version %d): %d of %d ended jobs used, %d failed, %d in flight, "
+            "virtual time %.2fs", server_round, self.version + 1, used, ended, len(self.failures), len(self.jobs),
+            self.strategy.clock.now)
+
+    # ================================================================== state
+    def state_dict(self) -> dict[str, Any]:
+        """The jobs in flight (never a reply: they are sent again) and the policy's state."""
+        f = self.flight
+        return {"async": {"version": self.version, "next_job": f.next_job, "draws": f.draws,
+                          "repeats": {k: list(v) for k, v in f.repeats.items()}, "sizes": dict(f.sizes),
+                          "jobs": [job.saved() for job in f.jobs.values()]}, **self.policy.state_dict()}
+
+    def load_state_dict(self, state: Any) -> None:
+        saved = state["async"]
+        self.version = int(saved["version"])
+        self.flight = f = Flight(self)
+        f.next_job, f.draws = int(saved["next_job"]), int(saved["draws"])
+        f.repeats = {k: list(v) for k, v in saved["repeats"].items()}
+        f.sizes = dict(saved["sizes"])
+        f.jobs = {int(j["id"]): Job(**j) for j in saved["jobs"]}
+        self.policy.load_state_dict(state)
+
+
+class Flight:
+    """The jobs in flight of an asynchronous run (:class:`AsyncRound`): who gets which model, when
+    each ends (module docstring: "Order", "Dispatch"), their messages and replies."""
+
+    def __init__(self, loop: AsyncRound) -> None:
+        self.loop = loop
         #: Jobs in flight, by number.
         self.jobs: dict[int, Job] = {}
         self.next_job = 1
@@ -144,158 +412,78 @@ class AsyncRoundLoop(RoundLoopStrategy):
         self.repeats: dict[str, list[int]] = {}
         #: node key -> num-examples of its last valid reply (its size when the roster gives none).
         self.sizes: dict[str, float] = {}
-        #: Jobs that failed this round (reasons), for the log and ``max_failed_rounds``.
-        self.failures: list[str] = []
-        self.num_rounds: int | None = None
+        self.train_config: ConfigRecord = ConfigRecord()
         self._by_message: dict[str, int] = {}
         self._encoded: dict[tuple[int, int], ArrayRecord] = {}
-        self._train_config: ConfigRecord = ConfigRecord()
-
-    @classmethod
-    def from_settings(cls, run: Any) -> AsyncRoundLoop:
-        """The strategy of a run; the roster query asks the nodes for their sizes too (the
-        virtual clock gives a job its duration when it is sent)."""
-        strategy = super().from_settings(run)
-        strategy.selector = SeededRosterSelector(
-            run.seed, query_config={protocol.ROSTER_EXAMPLES: 1, protocol.RUN_CONFIG: protocol.run_config_record(run)})
-        return strategy  # type: ignore[return-value]
-
-    # ================================================================== method hooks
-    def minimum_nodes(self) -> int:
-        """Nodes that must be connected before the first dispatch."""
-        return self.clients_per_round
-
-    def buffer(self) -> int:
-        """B: what ends a round (FedBuff: accepted updates; multi-model: models back)."""
-        raise NotImplementedError
-
-    def wanted(self) -> list[int]:
-        """The models (indices) to send now, in order, as far as free clients allow."""
-        raise NotImplementedError
-
-    def payload(self, job: Job) -> ModelDict:
-        """The model ``job`` carries (the same on every call: a resumed job is sent again)."""
-        raise NotImplementedError
-
-    def sent(self, job: Job) -> None:
-        """Called when a job is made."""
-
-    def arrive(self, server_round: int, job: Job) -> bool:
-        """Handle an ended job (``job.update``, or ``job.failure``); True when the round is over."""
-        raise NotImplementedError
-
-    def close(self, server_round: int) -> tuple[ArrayRecord | None, Any]:
-        """The round's result after :meth:`arrive` said it is over: (global arrays, train metrics)."""
-        raise NotImplementedError
-
-    # ================================================================== the loop
-    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, *args: Any, **kwargs: Any) -> Any:
-        """As :meth:`RoundLoopStrategy.start`; no job is sent after the last aggregation."""
-        self.num_rounds = num_rounds
-        self.clock.restart()
-        return super().start(grid, initial_arrays, num_rounds, *args, **kwargs)
-
-    def run_round(self, server_round, grid, arrays, config, timeout):  # type: ignore[no-untyped-def]
-        """Handle ended jobs, sending new ones, until the next aggregation (one "round")."""
-        self.begin_round(arrays)
-        self.failures = []
-        self._train_config = config
-        self.resend(grid)
-        self.dispatch(grid)
-        while True:
-            job = self.next_ended(grid, timeout)
-            del self.jobs[job.id]
-            if job.failure:
-                self.failures.append(f"{self.name_job(job)}: {job.failure}")
-                log(WARNING, "\t> job failed: %s", self.failures[-1])
-            elif job.update is not None:
-                self.sizes[job.key] = job.update.num_examples
-            if self.arrive(server_round, job):
-                break
-            self.dispatch(grid)
-        self.last_round.rejections = list(self.failures)
-        self.round_log.update({"virtual_time": self.clock.now, "in_flight": float(len(self.jobs))})
-        version = self.version
-        result = self.close(server_round)
-        if self.version != version:  # a new round number: its draws start at stream 0 again
-            self.draws = 0
-        self._encoded = {k: v for k, v in self._encoded.items() if k[0] == self.version}
-        if self.num_rounds is None or server_round < self.num_rounds:
-            self.dispatch(grid)
-        return result
-
-    def summary(self) -> None:
-        """The base summary plus the asynchronous loop's numbers."""
-        super().summary()
-        log(INFO, "\t└──> Asynchronous: B=%d per aggregation, at most %d jobs in flight, %s clock",
-            self.buffer(), self.minimum_nodes(), self.clock.settings.clock)
-
-    def name_job(self, job: Job) -> str:
-        models = len(self.models or []) > 1
-        return f"node {job.node} (job {job.id}" + (f", model {job.model_index})" if models else ")")
 
     def roster(self, grid: Grid) -> list[int]:
         """The connected nodes ordered by their stable keys (as the selector orders them)."""
-        return list(self.selector.ordered_nodes(grid, self.minimum_nodes()))
+        return list(self.loop.strategy.selector.ordered_nodes(grid, self.loop.policy.minimum_nodes()))
 
     def dispatch(self, grid: Grid) -> None:
         """Send the wanted models to free clients, drawn at random (module docstring)."""
-        wanted = self.wanted()
+        s = self.loop.strategy
+        wanted = self.loop.policy.wanted()
         if not wanted:
             return
         nodes = self.roster(grid)
-        self.clock.set_roster([self.selector.node_key(n) for n in nodes])
-        now = self.clock.now if self.clock.virtual else self.clock.wall_now()
+        s.clock.set_roster([s.selector.node_key(n) for n in nodes])
+        now = s.clock.now if s.clock.virtual else s.clock.wall_now()
         busy = {job.node for job in self.jobs.values()}
-        free = [n for n in nodes if n not in busy and self.clock.online(self.selector.node_key(n), now)]
+        free = [n for n in nodes if n not in busy and s.clock.online(s.selector.node_key(n), now)]
         count = min(len(wanted), len(free))
         if count == 0:
             return
-        rng = np.random.default_rng([self.seed, self.version + 1] + ([ASYNC_STREAM, self.draws] if self.draws else []))
+        rng = np.random.default_rng([s.seed, self.loop.version + 1] + ([ASYNC_STREAM, self.draws] if self.draws else []))
         self.draws += 1
         picked = [free[i] for i in rng.choice(len(free), size=count, replace=False)]
-        jobs = [self.new_job(index, node, now) for index, node in zip(wanted, picked)]
-        self.push(grid, [job for job in jobs if not job.lost])
+        jobs = [self._new_job(index, node, now) for index, node in zip(wanted, picked)]
+        self._push(grid, [job for job in jobs if not job.lost])
 
-    def new_job(self, model_index: int, node: int, now: float) -> Job:
-        key = self.selector.node_key(node)
-        server_round = self.version + 1
+    def _new_job(self, model_index: int, node: int, now: float) -> Job:
+        s = self.loop.strategy
+        key = s.selector.node_key(node)
+        server_round = self.loop.version + 1
         last = self.repeats.get(key)
         repeat = last[1] if last and last[0] == server_round else 0
         self.repeats[key] = [server_round, repeat + 1]
-        job = Job(self.next_job, node, key, model_index, self.version, server_round, repeat, now)
+        job = Job(self.next_job, node, key, model_index, self.loop.version, server_round, repeat, now)
         self.next_job += 1
-        if self.clock.virtual:
-            size = self.selector.num_examples(node)
-            self.time(job, self.clock.duration(key, size if size is not None else self.sizes.get(key)))
+        if s.clock.virtual:
+            size = s.selector.num_examples(node)
+            self._time(job, s.clock.duration(key, size if size is not None else self.sizes.get(key)))
         self.jobs[job.id] = job
-        self.sent(job)
+        self.loop.policy.sent(job)
         return job
 
-    def time(self, job: Job, duration: float | None) -> None:
+    def _time(self, job: Job, duration: float | None) -> None:
         """Give ``job`` its duration, hence its finish time (or the moment it is lost)."""
         if duration is None:
             return
         job.duration = duration
-        job.finish, job.lost = self.clock.cut(job.key, job.start, duration)
+        job.finish, job.lost = self.loop.strategy.clock.cut(job.key, job.start, duration)
 
-    def message(self, job: Job) -> Message:
+    def _message(self, job: Job) -> Message:
+        s = self.loop.strategy
         cache = (job.version, job.model_index)
         if cache not in self._encoded:
-            self._encoded[cache] = protocol.model_to_record(self.payload(job))
-        config = {**dict(self._train_config), protocol.SERVER_ROUND: job.server_round, protocol.MODEL_INDEX: job.model_index,
-                  protocol.ACCEPTED_ROUND: self.replies.accepted_rounds.get(job.node, 0)}
+            self._encoded[cache] = protocol.model_to_record(self.loop.policy.payload(job))
+        config = {**dict(self.train_config), protocol.SERVER_ROUND: job.server_round, protocol.MODEL_INDEX: job.model_index,
+                  protocol.ACCEPTED_ROUND: s.replies.accepted_rounds.get(job.node, 0)}
         if job.repeat:
             config[protocol.ROUND_REPEAT] = job.repeat
-        return protocol.server_message(
-            protocol.TRAIN, job.node, config, self._encoded[cache], self.extra_records(job.server_round, job.model_index),
-            arrays_key=self.arrayrecord_key, config_key=self.configrecord_key,
-        )
+        return protocol.server_message(protocol.TRAIN, job.node, config, self._encoded[cache],
+                                       s.extra_records(job.server_round, job.model_index),
+                                       arrays_key=s.arrayrecord_key, config_key=s.configrecord_key)
 
-    def push(self, grid: Grid, jobs: list[Job]) -> None:
+    def forget_encoded(self, version: int) -> None:
+        """Only the messages' models of the current version stay encoded."""
+        self._encoded = {k: v for k, v in self._encoded.items() if k[0] == version}
+
+    def _push(self, grid: Grid, jobs: list[Job]) -> None:
         if not jobs:
             return
-        messages = [self.message(job) for job in jobs]
+        messages = [self._message(job) for job in jobs]
         pushed = set(grid.push_messages(messages))
         moment = time.monotonic()
         for job, message in zip(jobs, messages):
@@ -311,22 +499,23 @@ class AsyncRoundLoop(RoundLoopStrategy):
         restored = [job for job in self.jobs.values() if job.message_id is None and not job.replied and not job.lost]
         if not restored:
             return
-        nodes = {self.selector.node_key(n): n for n in self.roster(grid)}
+        nodes = {self.loop.strategy.selector.node_key(n): n for n in self.roster(grid)}
         for job in restored:
             if job.key in nodes:
                 job.node = nodes[job.key]
             else:
                 job.replied, job.reason = True, "its node is not connected after the resume"
-        self.push(grid, [job for job in restored if not job.replied])
+        self._push(grid, [job for job in restored if not job.replied])
 
-    def receive(self, job: Job, reply: Message) -> None:
-        """Decode and check a reply as the synchronous strategies do (:class:`~strategies.ledger.ReplyCheck`)."""
-        update, reason = ReplyCheck.of(self, job.server_round).check(reply, job.model_index, job.node)
+    def _receive(self, job: Job, reply: Message) -> None:
+        """Decode and check a reply as the synchronous round does (:class:`~strategies.ledger.ReplyCheck`)."""
+        s = self.loop.strategy
+        update, reason = ReplyCheck.of(s, job.server_round).check(reply, job.model_index, job.node)
         job.update, job.reason, job.replied, job.arrived_at = update, reason, True, time.monotonic()
-        if self.clock.virtual and job.duration is None:
-            self.time(job, self.clock.duration(job.key, update.num_examples if update is not None else None))
+        if s.clock.virtual and job.duration is None:
+            self._time(job, s.clock.duration(job.key, update.num_examples if update is not None else None))
 
-    def pull(self, grid: Grid) -> None:
+    def _pull(self, grid: Grid) -> None:
         waiting = [job.message_id for job in self.jobs.values() if job.message_id and not job.replied]
         if not waiting:
             return
@@ -335,103 +524,74 @@ class AsyncRoundLoop(RoundLoopStrategy):
             reply = replies.pop(0)
             job = self.jobs.get(self._by_message.pop(reply.metadata.reply_to_message_id, -1))
             if job is not None and not job.replied:
-                self.receive(job, reply)
+                self._receive(job, reply)
             del reply
 
     def next_ended(self, grid: Grid, timeout: float) -> Job:
         """The next job to handle (module docstring, "Order"), waiting for it as long as needed."""
+        clock = self.loop.strategy.clock
         while True:
             raise_if_stopped()
-            self.pull(grid)
+            self._pull(grid)
             moment = time.monotonic()
             for job in self.jobs.values():
                 if job.message_id and not job.replied and moment - job.pushed_at >= timeout:
                     job.replied, job.reason, job.arrived_at = True, f"no reply within {timeout:g}s", moment
-            job = self.due()
-            if job is not None and self.clock.virtual:
-                ends = job.finish if job.finish is not None else self.clock.now
-                wake = self.wake(grid)
+            job = self._due()
+            if job is not None and clock.virtual:
+                ends = job.finish if job.finish is not None else clock.now
+                wake = self._wake(grid)
                 if wake < ends:  # a free client comes online first: it gets a job then
-                    self.clock.now = wake
+                    clock.now = wake
                     self.dispatch(grid)
                     continue
-                self.clock.now = max(self.clock.now, ends)
+                clock.now = max(clock.now, ends)
             if job is not None:
                 return job
             if not self.jobs:
-                self.idle(grid)
+                self._idle(grid)
                 continue
             if STOP.wait(POLL_INTERVAL):
                 raise_if_stopped()
 
-    def due(self) -> Job | None:
+    def _due(self) -> Job | None:
         """The job whose end comes next, if it can be handled now."""
+        clock = self.loop.strategy.clock
         jobs = list(self.jobs.values())
         if not jobs:
             return None
-        if not self.clock.virtual:  # arrival order
+        if not clock.virtual:  # arrival order
             ended = [job for job in jobs if job.replied]
             if not ended:
                 return None
-            self.clock.wall_now()
+            clock.wall_now()
             return min(ended, key=lambda job: (job.arrived_at, job.id))
         if any(job.finish is None and not job.replied for job in jobs):
             return None  # a job's duration is not known yet: it may end first
-        first = min(jobs, key=lambda job: (job.finish if job.finish is not None else self.clock.now, job.id))
+        first = min(jobs, key=lambda job: (job.finish if job.finish is not None else clock.now, job.id))
         return first if first.replied or first.lost else None
 
-    def wake(self, grid: Grid) -> float:
+    def _wake(self, grid: Grid) -> float:
         """Virtual clock with availability: when the first free offline client comes online,
         if a model waits for one (inf otherwise)."""
-        if not self.clock.settings.offline_fraction or not self.wanted():
+        s = self.loop.strategy
+        if not s.clock.settings.offline_fraction or not self.loop.policy.wanted():
             return math.inf
         busy = {job.node for job in self.jobs.values()}
-        keys = [self.selector.node_key(n) for n in self.roster(grid) if n not in busy]
-        times = [t for t in (self.clock.next_online(k, self.clock.now) for k in keys) if t > self.clock.now]
+        keys = [s.selector.node_key(n) for n in self.roster(grid) if n not in busy]
+        times = [t for t in (s.clock.next_online(k, s.clock.now) for k in keys) if t > s.clock.now]
         return min(times, default=math.inf)
 
-    def idle(self, grid: Grid) -> None:
+    def _idle(self, grid: Grid) -> None:
         """Nothing in flight and the round not over: no client was free and online. Move the
         virtual clock to the first moment one is online (real clock: wait a moment) and send."""
-        if self.clock.virtual:
-            keys = [self.selector.node_key(n) for n in self.roster(grid)]
-            soonest = min((self.clock.next_online(k, self.clock.now) for k in keys), default=self.clock.now)
-            self.clock.now = max(self.clock.now, soonest)
+        s = self.loop.strategy
+        if s.clock.virtual:
+            keys = [s.selector.node_key(n) for n in self.roster(grid)]
+            soonest = min((s.clock.next_online(k, s.clock.now) for k in keys), default=s.clock.now)
+            s.clock.now = max(s.clock.now, soonest)
         elif STOP.wait(POLL_INTERVAL):
             raise_if_stopped()
         self.dispatch(grid)
-        if not self.jobs and not self.wanted():
-            raise RunFailed(f"{type(self).__name__}: no job in flight and no model to send (version {self.version})")
-
-    # ================================================================== shared pieces
-    def staleness(self, job: Job) -> int:
-        """Aggregations since the job's model was sent."""
-        return self.version - job.version
-
-    def freeze(self) -> None:
-        """The server's arrays are never written in place from here on (state_dict references)."""
-        for model in [*(self.models or []), self.global_model or {}]:
-            for value in model.values():
-                value.setflags(write=False)
-
-    def log_round(self, server_round: int, used: int, ended: int) -> None:
-        log(INFO, "aggregate_train: round %d (version %d): %d of %d ended jobs used, %d failed, %d in flight, "
-            "virtual time %.2fs", server_round, self.version, used, ended, len(self.failures), len(self.jobs), self.clock.now)
-
-    # ================================================================== state
-    def state_dict(self) -> dict[str, Any]:
-        """The base state plus the jobs in flight (never a reply: they are sent again)."""
-        return {**super().state_dict(), "async": {
-            "version": self.version, "next_job": self.next_job, "draws": self.draws,
-            "repeats": {k: list(v) for k, v in self.repeats.items()}, "sizes": dict(self.sizes),
-            "jobs": [job.saved() for job in self.jobs.values()],
-        }}
-
-    def load_state_dict(self, state: Any) -> None:
-        super().load_state_dict(state)
-        saved = state["async"]
-        self.version, self.next_job, self.draws = int(saved["version"]), int(saved["next_job"]), int(saved["draws"])
-        self.repeats = {k: list(v) for k, v in saved["repeats"].items()}
-        self.sizes = dict(saved["sizes"])
-        self.jobs = {int(j["id"]): Job(**j) for j in saved["jobs"]}
-        self._by_message, self._encoded = {}, {}
+        if not self.jobs and not self.loop.policy.wanted():
+            raise RunFailed(f"{type(s).__name__}: no job in flight and no model to send (version {self.loop.version})")

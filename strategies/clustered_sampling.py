@@ -94,7 +94,8 @@ class ClusteredSettings(UniformSettings):
         """The selector; its roster query carries the run config and asks for the nodes' sizes."""
         query = {protocol.ROSTER_EXAMPLES: 1, protocol.RUN_CONFIG: protocol.run_config_record(run)}
         selector = ClusteredSelector(seed=run.seed, num_clients=run.num_clients, query_config=query, mode=self.mode,
-                                     algorithm=self.algorithm, distance=self.distance, linkage_input=self.linkage_input)
+                                     algorithm=self.algorithm, distance=self.distance, linkage_input=self.linkage_input,
+                                     min_nodes_timeout=float(run.min_nodes_timeout) or None)
         log(INFO, "client selection: %s", selector.describe())
         return selector
 

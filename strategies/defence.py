@@ -55,17 +55,23 @@ FedCross and FedMut are defended one by one:
   the round's replies, metrics or client statistics.
 
 ``robust_mean`` is the other half: the mean a method takes of client models (FedAvg's
-aggregate, the multi-model methods' global model, FedExP's, FedDyn's and SCAFFOLD's mean step)
-becomes a coordinate-wise median or trimmed mean (:func:`client_mean`, :func:`robust_mean`).
+aggregate, the multi-model methods' global model, FedExP's, FedDyn's and SCAFFOLD's mean step,
+FedBuff's buffer) becomes a coordinate-wise median or trimmed mean (:class:`strategies.aggregators.Mean`).
 
-A method for which a defence has no meaning declares it in ``refused_defences`` of its settings
-(``{setting: why}``); :meth:`refuse` turns a value other than the default into a
-:class:`~fedmm.errors.ConfigError` when the settings are validated.
+What a setting means depends on what the method holds (:attr:`strategies.method.Method.holds`),
+so what a method refuses is derived from that declaration (:func:`refused_settings`), never
+listed per method: ``refill`` needs a model per node; a method with a model per client (SOLO)
+aggregates nothing into anyone else's model, so no setting applies; with secure recombination an
+upload is no update of a model the server sent, so the stage does not apply (the mean does).
+:func:`refuse` turns a refused value other than the default into a
+:class:`~fedmm.errors.ConfigError` when the settings are validated. No method calls any of this:
+the stage runs at every round's end (:func:`strategies.rounds.end`), and the mean reaches a
+method as the :class:`~strategies.aggregators.Mean` it is handed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -73,7 +79,6 @@ import numpy as np
 from fedmm.errors import ConfigError
 from fedmm.protocol import ClientUpdate, ModelDict
 from fedmm.settings import Choice, Nullable, Number, Settings, setting
-from strategies.aggregation import robust_mean_models
 
 
 @dataclass
@@ -147,11 +152,26 @@ SWITCHES = ("clip_update_norm", "adaptive_clip", *REJECTING)
 #: The stage's settings (those acting on each update, before the method), and the mean's.
 STAGE = (*SWITCHES, "adaptive_clip_to", "refill")
 MEAN = ("robust_mean",)
-#: The settings that compare each update with the round's other updates.
-COMPARING = ("adaptive_clip", "adaptive_clip_to", *REJECTING, "refill", "robust_mean")
-#: Why a method with one model refuses ``refill`` (its settings' ``refused_defences``).
-ONE_MODEL = {"refill": "the method takes one mean of the kept updates, which a rejected node is simply left out "
-                       "of; refill is for the methods that keep a model per node (fedmr, fedcross, fedmut)"}
+#: What a method holds (:attr:`strategies.method.Method.holds`): one model sent to every node; a
+#: model per node of the round (K models, model i to the i-th node); a model per client (SOLO).
+ONE_MODEL, PER_NODE, PER_CLIENT = "one model", "a model per node", "a model per client"
+
+
+def refused_settings(holds: str, secure: bool = False) -> dict[str, str]:
+    """The settings that have no meaning for a method that holds ``holds`` (with secure
+    recombination when ``secure``), each with why: {setting: why}."""
+    if holds == PER_CLIENT:
+        return dict.fromkeys((*STAGE, *MEAN), "each client trains only its own model and nothing is aggregated into "
+                             "anyone else's, so a hostile client harms only itself")
+    refused: dict[str, str] = {}
+    if secure:
+        refused.update(dict.fromkeys(STAGE, "with strategy.secure.enabled=true each upload is recombined from layers of "
+                                     "other clients' models, not an update of the model the server sent that node; "
+                                     "robust_mean still applies"))
+    if holds == ONE_MODEL:
+        refused.setdefault("refill", "the method takes one mean of the kept updates, which a rejected node is simply "
+                                     "left out of; refill is for a method that keeps a model per node")
+    return refused
 
 
 def refuse(defence: DefenceSettings, refused: Mapping[str, str], method: str) -> None:
@@ -165,33 +185,22 @@ def refuse(defence: DefenceSettings, refused: Mapping[str, str], method: str) ->
 
 
 def defend(defence: DefenceSettings, updates: list[ClientUpdate], sent: Sequence[Mapping[str, np.ndarray]],
-           names: list[str], rejected: list[str],
-           round_log: dict[str, float]) -> tuple[list[ClientUpdate], list[ClientUpdate]]:
+           names: list[str], rejected: list[str], round_log: dict[str, float],
+           verdicts: list[Verdict] | None = None) -> tuple[list[ClientUpdate], list[ClientUpdate]]:
     """The stage (:meth:`Defence.screen_and_bound`) on a round's accepted ``updates``
     (``sent[i]``: the model ``updates[i]`` was sent, ``names[i]``: how logs name its node): the
     updates kept, and the stand-ins of the rejected ones (``refill``; not replies: the method
     puts their models in their slots and counts nothing else of them); each screened reply's
-    reason goes into ``rejected``, the stage's numbers into ``round_log``."""
+    reason goes into ``rejected``, the stage's numbers into ``round_log``, the verdict into
+    ``verdicts`` (when given)."""
     verdict = Defence(defence).screen_and_bound(updates, sent)
+    if verdicts is not None:
+        verdicts.append(verdict)
     by_id = {id(u): name for u, name in zip(updates, names)}
     refilled = " (its slot takes the round's median update)" if verdict.stand_ins else ""
     rejected.extend(f"{by_id[id(u)]}: {reason}{refilled}" for u, reason in verdict.rejected)
     round_log.update(verdict.log)
     return verdict.kept, verdict.stand_ins
-
-
-def robust_mean(defence: DefenceSettings, models: list[ModelDict]) -> ModelDict | None:
-    """``defence.robust_mean`` of ``models`` (unweighted), or None when it is off."""
-    if defence.robust_mean == "none" or not models:
-        return None
-    return robust_mean_models(models, defence.robust_mean, defence.trim_fraction)
-
-
-def client_mean(defence: DefenceSettings, models: list[ModelDict], own: Callable[[], ModelDict]) -> ModelDict:
-    """The mean a method takes of client models: ``defence.robust_mean`` of ``models`` when one
-    is set, else the method's own mean, ``own()``."""
-    robust = robust_mean(defence, models)
-    return own() if robust is None else robust
 
 
 def _floating(model: Mapping[str, np.ndarray]) -> list[str]:

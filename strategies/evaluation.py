@@ -21,6 +21,7 @@ from flwr.serverapp.strategy import Strategy
 from flwr.supercore import log
 
 from fedmm import protocol
+from fedmm.observers import Observers
 from fedmm.protocol import ClientUpdate, ModelDict
 from strategies.loop_log import MultiModelResult, metrics_text
 
@@ -84,6 +85,7 @@ class FederatedEvaluation(Strategy):
     evaluate_metrics_aggr_fn: MetricsAggregation | None
     evaluate_models: bool
     send: Callable[..., list[Message]]
+    observers: Observers
 
     #: Federated-evaluation metrics of the current round (None when clients did not evaluate).
     last_evaluate_metrics: dict[str, float] | None = None
@@ -154,7 +156,8 @@ class FederatedEvaluation(Strategy):
     def evaluate_initial(self, arrays: ArrayRecord, evaluate_fn: EvaluateFn | None, result: MultiModelResult) -> None:
         """The central evaluation of the initial model (round 0), into ``result``."""
         if evaluate_fn:
-            res = evaluate_fn(0, arrays)
+            with self.observers.phase(0, "evaluate"):
+                res = evaluate_fn(0, arrays)
             log(INFO, "Initial global evaluation results: %s", metrics_text(res))
             if res is not None:
                 result.evaluate_metrics_serverapp[0] = res
@@ -167,7 +170,8 @@ class FederatedEvaluation(Strategy):
         :attr:`last_evaluate_metrics`), then central with ``evaluate_fn``; results into ``result``."""
         messages = list(self.configure_evaluate(server_round, arrays, config, grid))
         sent = [message.metadata for message in messages]  # their ids are set when pushed
-        eval_replies = self.send(grid, messages, timeout)
+        with self.observers.phase(server_round, "evaluate_exchange"):
+            eval_replies = self.send(grid, messages, timeout)
         self.last_evaluate_metrics = None
         if eval_replies:
             # an error reply Flower builds for a lost node carries the ServerApp's node id
@@ -179,7 +183,8 @@ class FederatedEvaluation(Strategy):
                 self.last_evaluate_metrics = dict(eval_metrics)
         if evaluate_fn:
             log(INFO, "Global evaluation")
-            res = evaluate_fn(server_round, arrays)
+            with self.observers.phase(server_round, "evaluate"):
+                res = evaluate_fn(server_round, arrays)
             log(INFO, "\t└──> MetricRecord: %s", metrics_text(res))
             if res is not None:
                 result.evaluate_metrics_serverapp[server_round] = res

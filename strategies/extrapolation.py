@@ -48,13 +48,15 @@ def fedexp_step(
     weights: Sequence[float],
     epsilon: float,
     extrapolate_buffers: bool,
-    robust_mean: ModelDict | None = None,
+    mean: ModelDict | None = None,
+    robust: bool = False,
 ) -> tuple[ModelDict, float]:
     """(next global model, η_g) from the current global model and the trained models.
 
-    ``robust_mean``: a robust mean of ``models`` (``strategy.defence.robust_mean``) in place of
-    their weighted mean; A is then the median of the ‖Δ_i‖², which one client cannot inflate."""
-    mean = weighted_mean_models(models, weights) if robust_mean is None else robust_mean  # w + Δ̄ for every entry
+    ``mean``: the mean of ``models`` the run takes (default: their weighted mean). ``robust``:
+    it is a robust mean (``strategy.defence.robust_mean``); A is then the median of the ‖Δ_i‖²,
+    which one client cannot inflate."""
+    mean = weighted_mean_models(models, weights) if mean is None else mean  # w + Δ̄ for every entry
     params = [key for key, value in current.items() if not is_buffer(key, value)]
     sq_norms = []
     for model in models:
@@ -67,7 +69,7 @@ def fedexp_step(
     for key in params:
         diff = (mean[key] - current[key]).ravel()
         mean_sq += float(np.dot(diff, diff))
-    if robust_mean is not None:
+    if robust:
         sq_norms, weights = [float(np.median(sq_norms))] * len(sq_norms), [1.0] * len(sq_norms)
     eta = step_size(sq_norms, weights, mean_sq, epsilon)
     out: ModelDict = {}

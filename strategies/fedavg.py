@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fedmm.protocol import ClientUpdate, ModelDict
-from strategies.aggregation import weighted_mean_models
-from strategies.base import RoundLoopStrategy, StrategySettings
-from strategies.defence import client_mean
+from strategies.aggregators import Mean
+from strategies.method import Method
+from strategies.strategy_settings import StrategySettings
 
 
 @dataclass
@@ -24,27 +24,21 @@ class FedAvgSettings(StrategySettings):
     weighs_replies = True
 
 
-class FedAvg(RoundLoopStrategy):
+class FedAvg(Method):
     """Sample K clients per round, average their models weighted by ``num-examples``.
 
     Parameters
     ----------
     clients_per_round, seed, fraction_evaluate, selector, settings
-        See :class:`~strategies.base.RoundLoopStrategy`.
+        See :class:`~strategies.base.FedmmStrategy`.
     """
 
     Settings = FedAvgSettings
 
-    def initialize(self, initial: ModelDict) -> None:
-        """One global model."""
-        self.models = [initial]
-        self.global_model = initial
-
-    def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> ModelDict | None:
-        """Weighted mean of the accepted models (equal weights when none reports examples)."""
+    def aggregate(self, server_round: int, updates: list[ClientUpdate], mean: Mean) -> ModelDict | None:
+        """The mean of the accepted models, weighted as the run weighs them (``num-examples``)."""
         if not updates:
             return None
-        models = [u.model for u in updates]
-        self.models = [client_mean(self.settings.defence, models, lambda: weighted_mean_models(models, self.update_weights(updates)))]
+        self.models = [mean([u.model for u in updates], mean.weights(updates))]
         return self.models[0]
 

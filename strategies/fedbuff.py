@@ -10,28 +10,26 @@ staleness τ (versions since the client's copy), to a buffer (the paper's Algori
 
 Updates are not weighted by ``num-examples`` (the paper's). An update older than
 ``max_staleness`` versions is dropped, as is a failed client's. The event loop (ordering on the
-virtual clock, faults, resume) is :mod:`strategies.asynchronous`; one aggregation is one round.
+virtual clock, faults, resume) is the asynchronous driver's (:mod:`strategies.asynchronous`);
+one aggregation is one round, which ends as every round does (:mod:`strategies.rounds`: the
+defence stage on the B updates, each against the version it was sent).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from logging import ERROR
 from typing import Any
 
 import numpy as np
-from flwr.app import MetricRecord
-from flwr.supercore import log
 
-from fedmm import protocol
 from fedmm.errors import ConfigError
 from fedmm.protocol import ClientUpdate, ModelDict
 from fedmm.settings import Choice, Int, Nullable, Number, setting
-from strategies.aggregation import non_finite_key
-from strategies.asynchronous import AsyncRoundLoop, Job, buffer_setting, check_async, half, max_staleness_setting
-from strategies.base import StrategySettings
-from strategies.defence import COMPARING, defend
+from strategies.aggregators import Mean
+from strategies.asynchronous import AsyncRound, buffer_setting, check_async, max_staleness_setting
+from strategies.method import Method
+from strategies.strategy_settings import StrategySettings
 
 STALENESS_WEIGHTS = ("sqrt", "none")
 
@@ -75,10 +73,6 @@ class FedBuffSettings(StrategySettings):
     staleness_weight: str = setting("sqrt", Choice(*STALENESS_WEIGHTS), "sqrt: 1/sqrt(1 + τ) (the paper's) | none: 1",
                                     paper="1/sqrt(1 + staleness)", label="staleness weight {}")
     max_staleness: int | None = max_staleness_setting("drop an update")
-    refused_defences = dict.fromkeys(
-        COMPARING,
-        "FedBuff folds each update into its buffer's sum as it arrives, so no update is compared with the "
-        "others; clip_update_norm bounds each")
 
     def check(self, run: Any) -> None:
         """The async rules; C at most the clients."""
@@ -88,126 +82,35 @@ class FedBuffSettings(StrategySettings):
             raise ConfigError("strategy.concurrency", self.concurrency, f"at most num_clients ({run.num_clients})")
 
 
-class FedBuff(AsyncRoundLoop):
-    """FedBuff on the asynchronous event loop: only the buffer and the server step are its own.
+class FedBuff(Method):
+    """FedBuff: a one-model method run by the asynchronous driver; its own are the buffer's
+    staleness-weighted sum and the server step.
 
     Parameters
     ----------
     clients_per_round, seed, fraction_evaluate, selector, settings
-        See :class:`~strategies.base.RoundLoopStrategy` (C defaults to ``clients_per_round``).
+        See :class:`~strategies.base.FedmmStrategy` (C defaults to ``clients_per_round``).
     concurrency, buffer_size, server_lr, staleness_weight, max_staleness
         C, B, η_g, s(τ) and the staleness bound (the module docstring).
     """
 
     Settings = FedBuffSettings
+    Driver = AsyncRound
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        #: The model versions that jobs in flight were sent (and the current one).
-        self.versions: dict[int, ModelDict] = {}
-        #: Δ̄, the updates in it (metrics only) and their staleness.
-        self.delta: dict[str, np.ndarray] | None = None
-        self.buffered: list[ClientUpdate] = []
-        self.buffered_staleness: list[int] = []
-        #: Jobs in a row that failed (B of them end a round with no aggregation: max_failed_rounds).
-        self.failed_in_a_row = 0
-
-    def limit(self) -> int:
-        """C."""
-        return self.settings.concurrency or self.clients_per_round
-
-    def minimum_nodes(self) -> int:
-        return self.limit()
-
-    def buffer(self) -> int:
-        return self.settings.buffer_size or half(self.limit())
-
-    def initialize(self, initial: ModelDict) -> None:
-        self.models = [initial]
-        self.global_model = initial
-        self.versions = {0: initial}
-
-    # ------------------------------------------------------------------ the event loop's hooks
-    def wanted(self) -> list[int]:
-        return [0] * max(0, self.limit() - len(self.jobs))
-
-    def payload(self, job: Job) -> ModelDict:
-        return self.versions[job.version]
-
-    def arrive(self, server_round: int, job: Job) -> bool:
-        """Add the update to the buffer (or drop it); the round is over after B updates, or
-        after B failed jobs in a row (no aggregation)."""
-        staleness = self.staleness(job)
-        reason = job.failure
-        if not reason and self.max_staleness is not None and staleness > self.max_staleness:
-            reason = f"staleness {staleness} exceeds max_staleness ({self.max_staleness}): update dropped"
-            self.failures.append(f"{self.name_job(job)}: {reason}")
-        if reason or job.update is None:
-            self.failed_in_a_row += 1
-            self.forget_versions()
-            return self.failed_in_a_row >= self.buffer()
-        self.failed_in_a_row = 0
-        sent = self.versions[job.version]
-        model = job.update.model
-        if self.defence.clip_update_norm is not None:  # the defence stage, one update at a time
-            before = dict(self.round_log)
-            [update], _ = defend(self.settings.defence, [job.update], [sent], [self.name_job(job)], self.failures, self.round_log)
-            model = update.model
-            self.round_log["largest_update_norm"] = max(before.get("largest_update_norm", 0.0), self.round_log["largest_update_norm"])
-            self.round_log["updates_scaled"] += before.get("updates_scaled", 0.0)
-        self.delta = add_update(self.delta, model, sent, staleness_weight(staleness, self.settings.staleness_weight))
-        self.buffered.append(ClientUpdate(job.node, 0, {}, job.update.num_examples, job.update.metrics))
-        self.buffered_staleness.append(staleness)
-        self.replies.accepted_rounds[job.node] = job.server_round
-        self.forget_versions()
-        return len(self.buffered) >= self.buffer()
-
-    def forget_versions(self) -> None:
-        """Keep only the versions a job in flight was sent, and the current one."""
-        keep = {job.version for job in self.jobs.values()} | {self.version}
-        self.versions = {v: m for v, m in self.versions.items() if v in keep}
-
-    def close(self, server_round: int):  # type: ignore[no-untyped-def]
-        """θ ← θ + η_g·Δ̄/B (none when the round ended on failures)."""
+    def aggregate(self, server_round: int, updates: list[ClientUpdate], mean: Mean) -> ModelDict | None:
+        """θ ← θ + η_g·Δ̄/B over the round's buffered updates, each against the version it was
+        sent (in arrival order); with a robust mean, θ + η_g·(robust mean of the s(τ_i)·Δ_i)."""
+        if not updates:
+            return None
         assert self.models is not None
-        updates, staleness = self.buffered, self.buffered_staleness
-        if len(updates) < self.buffer():  # B failed jobs in a row: no step this round
-            self.last_round.replies = 0
-            self.log_round(server_round, 0, self.failed_in_a_row)
-            self.failed_in_a_row = 0
-            return None, MetricRecord({"replies": 0.0})
-        step = server_step(self.models[0], self.delta or {}, len(updates), self.server_lr)
-        bad = non_finite_key(step)
-        metrics = self.train_metrics(updates)
-        self.buffered, self.buffered_staleness, self.delta = [], [], None
-        if bad:
-            log(ERROR, "round %d: the server step has NaN/Inf in %s; the model is kept", server_round, bad)
-            self.last_round.replies = 0
-            return None, metrics
-        self.version += 1
-        self.models, self.global_model = [step], step
-        self.versions[self.version] = step
-        self.forget_versions()
-        self.freeze()
-        self.last_round.replies = len(updates)
-        self.round_log.update({"staleness_mean": float(np.mean(staleness)), "staleness_max": float(max(staleness))})
-        self.log_round(server_round, len(updates), len(updates) + len(self.failures))
-        return protocol.model_to_record(step), metrics
-
-    # ------------------------------------------------------------------ state
-    def state_dict(self) -> dict[str, Any]:
-        """The loop's state plus the versions in flight and the buffer (Δ̄ and its updates)."""
-        return {**super().state_dict(), "fedbuff": {
-            "versions": dict(self.versions), "delta": self.delta, "failed_in_a_row": self.failed_in_a_row,
-            "buffered": [(u.node_id, u.num_examples, dict(u.metrics)) for u in self.buffered],
-            "buffered_staleness": list(self.buffered_staleness),
-        }}
-
-    def load_state_dict(self, state: Any) -> None:
-        super().load_state_dict(state)
-        saved = state["fedbuff"]
-        self.versions = {int(v): m for v, m in saved["versions"].items()}
-        self.delta = None if saved["delta"] is None else {k: np.array(v, np.float64) for k, v in saved["delta"].items()}
-        self.failed_in_a_row = int(saved["failed_in_a_row"])
-        self.buffered = [ClientUpdate(int(n), 0, {}, float(e), dict(m)) for n, e, m in saved["buffered"]]
-        self.buffered_staleness = [int(s) for s in saved["buffered_staleness"]]
+        weights = [staleness_weight(u.staleness, self.settings.staleness_weight) for u in updates]
+        if mean.robust:
+            scaled = [add_update(None, u.model, u.sent, w) for u, w in zip(updates, weights)]
+            step = server_step(self.models[0], mean(scaled), 1, self.server_lr)
+        else:
+            delta = None
+            for update, weight in zip(updates, weights):
+                delta = add_update(delta, update.model, update.sent, weight)
+            step = server_step(self.models[0], delta or {}, len(updates), self.server_lr)
+        self.models = [step]
+        return step

@@ -17,9 +17,9 @@ from typing import Any
 from fedmm.settings import Choice, Int, Number, setting
 from fedmm.protocol import ModelDict
 from strategies.aggregation import mean_models
-from strategies.base import StrategySettings
-from strategies.multimodel import MultiModelStrategy
+from strategies.multimodel import MultiModel
 from strategies.selection import ClientSelector
+from strategies.strategy_settings import StrategySettings
 from strategies.cross_aggregation import (
     SELECTIONS,
     SIMILARITIES,
@@ -36,7 +36,6 @@ class FedCrossSettings(StrategySettings):
 
     option = "fedcross"
     title = "FedCross"
-    refused_defences = {}  # a model per node: refill has its meaning
     alpha: float = setting(0.99, Number(ge=0, le=1), "weight of the model itself in w_j <- alpha*w_j + (1-alpha)*w_c(j)",
                            paper="0.99", label="α {}")
     selection: str = setting("lowest-similarity", Choice(*SELECTIONS), "how each model's collaborative model is chosen",
@@ -56,13 +55,13 @@ class FedCrossSettings(StrategySettings):
             parts.append(f"PM {self.propeller_rounds} + DA {self.dynamic_alpha_rounds}")
         return parts
 
-class FedCross(MultiModelStrategy):
+class FedCross(MultiModel):
     """FedCross on the multi-model base: only :meth:`update_models` differs.
 
     Parameters
     ----------
     num_models, seed, fraction_evaluate, selector
-        See :class:`~strategies.multimodel.MultiModelStrategy`.
+        See :class:`~strategies.multimodel.MultiModel`.
     alpha : float
         Fusion weight of the model itself (paper: 0.99).
     selection : str

@@ -30,11 +30,11 @@ from fedmm.errors import ConfigError
 from fedmm.protocol import ClientUpdate, ModelDict
 from fedmm.settings import Number, setting
 from strategies.aggregation import mean_models
-from strategies.base import StrategySettings
-from strategies.defence import robust_mean
+from strategies.aggregators import Mean
 from strategies.extrapolation import is_buffer
 from strategies.fedavg import FedAvg
 from strategies.selection import ClientSelector
+from strategies.strategy_settings import StrategySettings
 
 
 def feddyn_server_step(
@@ -45,6 +45,8 @@ def feddyn_server_step(
 
     ``server`` is the model the clients received, ``h`` holds one array per trainable parameter
     (its keys), ``num_clients`` is m. Computed in float64, returned in each array's own dtype.
+    ``robust_mean``: a robust mean of ``models`` (``strategy.defence.robust_mean``) standing in
+    for each of them (the sum of the updates is then |P_t| times its update).
     """
     mean = mean_models(models) if robust_mean is None else robust_mean
     new_h: ModelDict = {}
@@ -66,15 +68,8 @@ class FedDynSettings(StrategySettings):
 
     option = "feddyn"
     title = "FedDyn"
-    companions = {"objective": "feddyn"}
     alpha: float = setting(0.01, Number(gt=0), "α of the regularizer and of h's update",
                            paper="0.1, 0.01, 0.001 (tuned per setting; the authors' code: 0.01)", label="α {}")
-
-    def check(self, run: Any) -> None:
-        """The clients must run FedDyn's objective."""
-        super().check(run)
-        if run.objective.name != "feddyn":
-            raise ConfigError("objective", run.objective.name, "feddyn with strategy feddyn (the clients keep the linear term)")
 
 
 class FedDyn(FedAvg):
@@ -83,41 +78,35 @@ class FedDyn(FedAvg):
     Parameters
     ----------
     clients_per_round, seed, fraction_evaluate, selector, settings, changes
-        See :class:`~strategies.base.RoundLoopStrategy`.
+        See :class:`~strategies.base.FedmmStrategy`.
     num_clients : int
         m, the number of clients in the federation (h's denominator).
     """
 
     Settings = FedDynSettings
+    global_is_next = False  # it evaluates the mean of the trained models, trains the corrected θ
 
     def __init__(self, clients_per_round: int, seed: int, num_clients: int, fraction_evaluate: float | None = None,
                  selector: ClientSelector | None = None, **settings: Any) -> None:
-        super().__init__(clients_per_round, seed, fraction_evaluate, selector, **settings)
-        if num_clients < 1:
-            raise ValueError(f"num_clients must be >= 1, got {num_clients}")
-        self.num_clients = int(num_clients)
+        super().__init__(clients_per_round, seed, fraction_evaluate, selector, num_clients=int(num_clients), **settings)
         self.h: ModelDict | None = None
-
-    @classmethod
-    def from_settings(cls, run: Any) -> FedDyn:
-        """FedDyn of a run: m from ``num_clients``."""
-        return cls(run.clients_per_round, run.seed, run.num_clients, settings=run.strategy)
 
     def initialize(self, initial: ModelDict) -> None:
         """The model, and h = 0 for every trainable parameter."""
         super().initialize(initial)
         self.h = {k: np.zeros_like(v) for k, v in initial.items() if not is_buffer(k, v)}
 
-    def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> ModelDict | None:
+    def aggregate(self, server_round: int, updates: list[ClientUpdate], mean: Mean) -> ModelDict | None:
         """θ and h after the round (:func:`feddyn_server_step`); the evaluated model is the mean."""
         if not updates:
             return None
         assert self.models is not None and self.h is not None
-        nxt, self.h, mean = feddyn_server_step(self.models[0], [u.model for u in updates], self.h, self.alpha, self.num_clients,
-                                                    robust_mean(self.settings.defence, [u.model for u in updates]))
+        models = [u.model for u in updates]
+        nxt, self.h, average = feddyn_server_step(self.models[0], models, self.h, self.alpha, self.num_clients,
+                                                   mean(models) if mean.robust else None)
         self.models = [nxt]
         self.round_log["h_norm"] = float(np.sqrt(sum(float(np.square(v, dtype=np.float64).sum()) for v in self.h.values())))
-        return mean
+        return average
 
     def state_dict(self) -> dict[str, Any]:
         """The base state plus h."""

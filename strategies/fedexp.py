@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from fedmm.protocol import ClientUpdate, ModelDict
 from fedmm.settings import Bool, Number, setting
-from strategies.defence import robust_mean
+from strategies.aggregators import Mean
 from strategies.extrapolation import average_iterates, fedexp_step
 from strategies.fedavg import FedAvg, FedAvgSettings
 
@@ -44,7 +44,7 @@ class FedExP(FedAvg):
     Parameters
     ----------
     clients_per_round, seed, fraction_evaluate, selector
-        See :class:`~strategies.base.RoundLoopStrategy`.
+        See :class:`~strategies.base.FedmmStrategy`.
     epsilon : float
         ε of round 1; round r uses ε · epsilon_decay^(r − 1).
     epsilon_decay : float
@@ -54,22 +54,23 @@ class FedExP(FedAvg):
     """
 
     Settings = FedExPSettings
+    global_is_next = False  # it evaluates the mean of the last two iterates
 
     def epsilon_at(self, server_round: int) -> float:
         """ε of a round."""
         return self.epsilon * self.epsilon_decay ** (server_round - 1)
 
-    def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> ModelDict | None:
+    def aggregate(self, server_round: int, updates: list[ClientUpdate], mean: Mean) -> ModelDict | None:
         """w^{t+1} = w^t + η_g·Δ̄ becomes the training model; the evaluated model is the mean of
         the last two iterates (round 1: w^1)."""
         if not updates:
             return None
         assert self.models is not None
         current = self.models[0]
-        weights = self.update_weights(updates)
+        weights = mean.weights(updates)
         epsilon = self.epsilon_at(server_round)
         models = [u.model for u in updates]
-        nxt, eta = fedexp_step(current, models, weights, epsilon, self.extrapolate_buffers, robust_mean(self.settings.defence, models))
+        nxt, eta = fedexp_step(current, models, weights, epsilon, self.extrapolate_buffers, mean(models, weights), mean.robust)
         self.round_log.update({"eta_g": eta, "epsilon": epsilon})
         self.models = [nxt]
         return nxt if server_round == 1 else average_iterates(nxt, current)

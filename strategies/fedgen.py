@@ -44,6 +44,8 @@ from fedmm.settings import Choice, Int, MapOf, Nullable, Number, setting
 from fedmm.models.generator import Generator, classifier_of, diversity_loss, label_weights, teacher_loss
 from fedmm.protocol import ClientUpdate, ModelDict
 from objectives import fedgen as fedgen_client
+from strategies.aggregators import Mean
+from strategies.base import Participants
 from strategies.fedavg import FedAvg, FedAvgSettings
 from strategies.selection import ClientSelector
 
@@ -54,7 +56,6 @@ class FedGenSettings(FedAvgSettings):
 
     option = "fedgen"
     title = "FedGen"
-    companions = {"objective": "fedgen"}
     noise_dim: int = setting(100, Int(min=1), "generator noise width", paper="100 (the port); 64 for CIFAR (the original)")
     hidden_dim: int = setting(512, Int(min=1), "generator hidden width")
     ensemble_lr: float | None = setting(None, Nullable(Number(gt=0), "null (the value for the dataset) or a learning rate > 0"),
@@ -81,8 +82,6 @@ class FedGenSettings(FedAvgSettings):
     def check(self, run: Any) -> None:
         """The generator's terms need the clients' objective ``fedgen``."""
         super().check(run)
-        if run.objective.name != "fedgen":
-            raise ConfigError("objective", run.objective.name, "fedgen with strategy fedgen (the clients use the generator)")
         if self.ensemble_epochs < self.n_teacher_iters:
             raise ConfigError("strategy.ensemble_epochs", self.ensemble_epochs, f">= strategy.n_teacher_iters={self.n_teacher_iters}")
 
@@ -92,7 +91,7 @@ class FedGen(FedAvg):
     Parameters
     ----------
     clients_per_round, seed, fraction_evaluate, selector
-        See :class:`~strategies.base.RoundLoopStrategy`.
+        See :class:`~strategies.base.FedmmStrategy`.
     settings : FedGenSettings
         With ``ensemble_lr`` resolved for the dataset (:meth:`from_settings` does it).
     """
@@ -128,7 +127,7 @@ class FedGen(FedAvg):
         return torch.optim.Adam(self.generator.parameters(), lr=self.settings.ensemble_lr, betas=(0.9, 0.999),
                                 eps=1e-8, weight_decay=self.settings.weight_decay, amsgrad=False)
 
-    def prepare_round(self, server_round: int, node_ids: list[int]) -> None:
+    def prepare_round(self, server_round: int, participants: Participants) -> None:
         """Encode the generator once for the round (sent from round 2 on: round 1 is plain CE)."""
         assert self.generator is not None
         self._encoded_generator = None
@@ -144,14 +143,14 @@ class FedGen(FedAvg):
         """Every reply carries the client's label histogram."""
         return {fedgen_client.LABEL_COUNTS: {fedgen_client.LABEL_COUNTS: ((self.num_classes,), np.dtype(np.int64))}}
 
-    def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> ModelDict | None:
+    def aggregate(self, server_round: int, updates: list[ClientUpdate], mean: Mean) -> ModelDict | None:
         """Train the generator on the uploaded models, then FedAvg."""
         if not updates:
             return None
         counts = np.stack([u.extras[fedgen_client.LABEL_COUNTS][fedgen_client.LABEL_COUNTS] for u in updates])
         first, last = self.train_generator(server_round, [u.model for u in updates], counts)
         self.round_log.update({"generator_loss_start": first, "generator_loss_end": last})
-        return super().aggregate(server_round, updates)
+        return super().aggregate(server_round, updates, mean)
 
     def train_generator(self, server_round: int, models: list[ModelDict], counts: np.ndarray) -> tuple[float, float]:
         """The round's generator steps; (loss of the first step, loss of the last)."""
@@ -211,10 +210,9 @@ class FedGen(FedAvg):
             self.scheduler.load_state_dict(state["scheduler"])
 
     @classmethod
-    def from_settings(cls, run: Any) -> FedGen:
-        """FedGen of a run, its generator's lr resolved for the dataset."""
-        settings = run.strategy.replace(ensemble_lr=resolve_ensemble_lr(run.strategy, run.dataset.name))
-        return cls(run.clients_per_round, run.seed, settings=settings)
+    def settings_for(cls, run: Any) -> FedGenSettings:
+        """FedGen's settings for a run, its generator's lr resolved for the dataset."""
+        return run.strategy.replace(ensemble_lr=resolve_ensemble_lr(run.strategy, run.dataset.name))
 
 
 def resolve_ensemble_lr(settings: FedGenSettings, dataset: str) -> float:

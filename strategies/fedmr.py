@@ -13,12 +13,11 @@ from typing import Any
 from fedmm.protocol import ModelDict
 from fedmm.settings import Bool, Choice, Int, MapOf, Nullable, Number, setting
 from strategies.aggregation import mean_models
-from strategies.base import StrategySettings
-from strategies.defence import STAGE, refuse
-from strategies.multimodel import MultiModelStrategy
+from strategies.multimodel import MultiModel
 from strategies.recombination import GRANULARITIES, recombine, segments_for_ratio
-from strategies.secure_recombination import SecureRecombination, SecureSettings
+from strategies.secure_recombination import SecureRecombination, SecureRound, SecureSettings
 from strategies.selection import ClientSelector
+from strategies.strategy_settings import StrategySettings
 
 
 @dataclass
@@ -27,7 +26,6 @@ class FedMRSettings(StrategySettings):
 
     option = "fedmr"
     title = "FedMR"
-    refused_defences = {}  # a model per node: refill has its meaning
     first_stage_rounds: int = setting(0, Int(min=0), "rounds of plain aggregation first (two-stage training)",
                                       paper="0 (CNN), 100 (ResNet-20, VGG-16)", label="first stage {}")
     first_stage_by_model: dict = setting({}, MapOf(Int(min=0), "a mapping of model names to rounds >= 0"),
@@ -50,22 +48,14 @@ class FedMRSettings(StrategySettings):
     def display(self) -> str:
         return "Indep" if self.partition_ratio == 1.0 else self.title
 
-    def check_values(self, prefix: str) -> None:
-        """With secure recombination an upload is a model the clients recombined among
-        themselves, an update against no model the server sent: the defence stage is refused."""
-        super().check_values(prefix)
-        if self.secure.enabled:
-            refuse(self.defence, dict.fromkeys(STAGE, "with strategy.secure.enabled=true each upload is recombined "
-                                               "from layers of other clients' models, not an update of the model "
-                                               "the server sent that node; robust_mean still applies"), self.option)
 
-class FedMR(MultiModelStrategy):
+class FedMR(MultiModel):
     """FedMR on the multi-model base: only :meth:`update_models` differs.
 
     Parameters
     ----------
     num_models, seed, fraction_evaluate, selector
-        See :class:`~strategies.multimodel.MultiModelStrategy`.
+        See :class:`~strategies.multimodel.MultiModel`.
     first_stage_rounds : int
         Rounds of plain aggregation before recombination starts (two-stage training).
     granularity : str
@@ -75,8 +65,8 @@ class FedMR(MultiModelStrategy):
         has its own permutation (FedMR proper); 1.0: whole models are shuffled ("Indep").
     secure : SecureRecombination, optional
         Clients exchange layers among themselves, sealed end to end, before upload (and/or
-        before training), so that the server cannot tell who trained which layer (default:
-        built from ``settings.secure`` when enabled).
+        before training), so that the server cannot tell who trained which layer: its settings
+        become ``strategy.secure`` (default: those of ``settings``), and the rounds are its phases.
     """
 
     Settings = FedMRSettings
@@ -87,22 +77,20 @@ class FedMR(MultiModelStrategy):
             settings["secure"] = secure.settings()
         super().__init__(num_models, seed, fraction_evaluate, selector, **settings)
         self.segments = segments_for_ratio(self.settings.partition_ratio)
-        self.secure = secure if secure is not None else SecureRecombination.from_settings(self.settings.secure)
 
     @classmethod
-    def from_settings(cls, run: Any) -> FedMR:
-        """FedMR of a run, its first stage resolved for the run's model (``first_stage_by_model``)."""
+    def driver_class(cls, settings: FedMRSettings) -> Any:
+        """Secure recombination's phases when ``strategy.secure`` is on (a synchronous round:
+        refused with the asynchronous driver, :meth:`StrategySettings.check_values`)."""
+        return SecureRound if settings.secure.enabled else cls.Driver
+
+    @classmethod
+    def settings_for(cls, run: Any) -> FedMRSettings:
+        """FedMR's settings for a run, its first stage resolved for the run's model (``first_stage_by_model``)."""
         by_model = run.strategy.first_stage_by_model
         if run.model.name in by_model:
-            return cls(run.clients_per_round, run.seed, settings=run.strategy.replace(first_stage_rounds=by_model[run.model.name]))
-        return super().from_settings(run)
-
-    def run_round(self, server_round, grid, arrays, config, timeout):  # type: ignore[no-untyped-def]
-        """Plain FedMR: one train phase; with secure recombination, its phases
-        (:class:`~strategies.secure_recombination.SecureRecombination`)."""
-        if self.secure is None:
-            return super().run_round(server_round, grid, arrays, config, timeout)
-        return self.secure.run_round(self, server_round, grid, arrays, config, timeout)
+            return run.strategy.replace(first_stage_rounds=by_model[run.model.name])
+        return run.strategy
 
     def models_to_track(self) -> list[ModelDict] | None:
         """The K models, when ``track_models`` is on."""

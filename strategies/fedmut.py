@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 from fedmm.protocol import ModelDict
 from fedmm.settings import Int, Number, setting
-from strategies.base import StrategySettings
-from strategies.multimodel import MultiModelStrategy
+from strategies.multimodel import MultiModel
 from strategies.mutation import acceleration, mutate
+from strategies.strategy_settings import StrategySettings
 
 
 @dataclass
@@ -25,20 +25,19 @@ class FedMutSettings(StrategySettings):
 
     option = "fedmut"
     title = "FedMut"
-    refused_defences = {}  # a model per node: refill has its meaning
     radius: float = setting(4.0, Number(gt=0), "mutation radius: how far along ±Δ the models are placed",
                             paper="4.0 (the authors' code)", label="radius {}")
     acc_rate: float = setting(0.3, Number(ge=0.0, le=1.0), "mutation acceleration c = acc_rate · (1 − min(r / bound, 1))",
                               paper="0.3")
     bound: int = setting(50, Int(min=1), "rounds over which the acceleration decays to 0", paper="50", label="bound {}")
 
-class FedMut(MultiModelStrategy):
+class FedMut(MultiModel):
     """FedMut on the multi-model base: only :meth:`update_models` differs.
 
     Parameters
     ----------
     num_models, seed, fraction_evaluate, selector
-        See :class:`~strategies.multimodel.MultiModelStrategy`.
+        See :class:`~strategies.multimodel.MultiModel`.
     radius : float
         Mutation radius: how far along ±Δ the models are placed.
     acc_rate, bound : float, int
@@ -52,4 +51,4 @@ class FedMut(MultiModelStrategy):
         assert self.global_model is not None and self.round_mean is not None
         c = acceleration(server_round, self.acc_rate, self.bound)
         # w_old: the global model at the round's start (round 1: the initial model)
-        return mutate(self.round_mean, self.global_model, self.num_models, self.radius, c, self.rng)
+        return mutate(self.round_mean, self.global_model, self.clients_per_round, self.radius, c, self.rng)

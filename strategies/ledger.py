@@ -13,6 +13,7 @@ the array spec a reply must match and the round each node's reply was last accep
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -40,7 +41,8 @@ class ReplyCheck:
     """What the train replies of one round are checked against.
 
     ``bound(node)`` is the largest ``num-examples`` a reply of ``node`` may report and where that
-    bound comes from (``(None, "")``: no bound).
+    bound comes from (``(None, "")``: no bound); ``metrics``: the metrics every reply must carry,
+    each a finite number > 0 (the method's ``reply_metrics``).
     """
 
     spec: protocol.ArraySpec
@@ -49,11 +51,12 @@ class ReplyCheck:
     arrays_key: str
     weight_key: str
     bound: Callable[[int], tuple[int | None, str]]
+    metrics: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, strategy: Any, server_round: int) -> ReplyCheck:
         """The check of the train replies of ``server_round`` of ``strategy`` (a
-        :class:`~strategies.base.RoundLoopStrategy` whose models exist)."""
+        :class:`~strategies.method.Method` whose models exist)."""
         assert strategy.replies.spec is not None
         selector, cap = strategy.selector, strategy.settings.max_num_examples
 
@@ -64,7 +67,7 @@ class ReplyCheck:
             return (int(cap), "strategy.max_num_examples") if cap is not None else (None, "")
 
         return cls(strategy.replies.spec, strategy.reply_extras(server_round), strategy.writable_updates,
-                   strategy.arrayrecord_key, strategy.weighted_by_key, bound)
+                   strategy.arrayrecord_key, strategy.weighted_by_key, bound, tuple(strategy.reply_metrics()))
 
     def check(self, reply: Message, slot: int, node: int, taken: bool = False) -> tuple[ClientUpdate | None, str]:
         """(update, "") for a usable reply of ``node`` filling ``slot``, else (None, why). Its
@@ -81,6 +84,10 @@ class ReplyCheck:
         bound, source = self.bound(node)
         if bound is not None and update.num_examples > bound:
             return None, f"{protocol.printable(self.weight_key)}={update.num_examples:.0f} exceeds {source} ({bound})"
+        for name in self.metrics:
+            value = update.metrics.get(name)
+            if value is None or not math.isfinite(value) or value <= 0:
+                return None, f"the reply's metric {protocol.printable(name)} is {value!r}, not a finite number > 0 (the method needs it)"
         return update, ""
 
 

@@ -83,8 +83,8 @@ def log_summary(strategy: Any) -> None:
     log(INFO, "\t├──> Sampling:")
     log(INFO, "\t│\t├──Nodes per round: train (%d) | evaluate (fraction %.2f)", s.clients_per_round, s.fraction_evaluate)
     log(INFO, "\t│\t└──Selector: %s", s.selector.describe())
-    if s.num_models > 1:
-        log(INFO, "\t├──> Models: %d on the server, one per selected node%s", s.num_models,
+    if len(s.models or []) > 1 or s.holds == "a model per node":
+        log(INFO, "\t├──> Models: %d on the server, one per selected node%s", s.clients_per_round,
             " (each evaluated after every round)" if s.evaluate_models else "")
     log(INFO, "\t├──> Keys in records:")
     log(INFO, "\t│\t├── Weighted by: '%s'", s.weighted_by_key)

@@ -1,9 +1,10 @@
-"""Shared base of the multi-model methods (FedMR, FedCross): K models kept on the server.
+"""Shared base of the multi-model methods (FedMR, FedCross, FedMut): K models kept on the server.
 
 Each round the i-th selected node gets model i in its own message (the random sample is the
 random dispatch); replies are mapped back to the model they trained by the id of the message
 that was sent, and the method turns the K trained models into the K models of the next round
-(:meth:`MultiModelStrategy.update_models`).
+(:meth:`MultiModel.update_models`). The same arithmetic serves the synchronous round and the
+asynchronous one, which applies it to the B models that came back.
 
 The global model, used only for evaluation and as the run's final model, is the unweighted mean
 of the K trained models, taken before the method's update (as the authors' code does).
@@ -24,10 +25,9 @@ from typing import Any
 import numpy as np
 
 from fedmm.protocol import ClientUpdate, ModelDict
-from strategies.aggregation import mean_models
-from strategies.base import RoundLoopStrategy
+from strategies.aggregators import Mean
 from strategies.cross_aggregation import _float_keys, _gram
-from strategies.defence import client_mean
+from strategies.method import PER_NODE, Method
 from strategies.selection import ClientSelector
 
 
@@ -60,69 +60,78 @@ def cosine_summary(models: Sequence[Mapping[str, np.ndarray]]) -> dict[str, floa
     return {"model_cosine": float(pairs.mean()), "model_cosine_min": float(pairs.min()), "model_cosine_max": float(pairs.max())}
 
 
-class MultiModelStrategy(RoundLoopStrategy):
-    """Keep K models on the server and send a different one to each selected node.
+class MultiModel(Method):
+    """K models on the server, a different one to each selected node (model i to the i-th).
 
     Parameters
     ----------
     num_models : int
-        K: models kept on the server, and clients selected per round.
+        K: models kept on the server, and clients selected per round (the strategy's
+        ``clients_per_round``; a Flower app names it by what it keeps).
     seed, fraction_evaluate, selector, settings, changes
-        See :class:`~strategies.base.RoundLoopStrategy`.
+        See :class:`~strategies.base.FedmmStrategy`.
     """
+
+    holds = PER_NODE
 
     #: Log the pairwise cosine similarity of the trained models every round (:func:`cosine_summary`:
     #: about K²·N/2 float64 multiply-adds for N parameters; 0.2 s for K = 10 CNNs of 1.7M on two
     #: busy cores, but ~1.7·10¹¹ for K = 100 VGG-16s). False: skip it.
     log_model_cosine = True
 
-    def __init__(
-        self, num_models: int, seed: int, fraction_evaluate: float | None = None, selector: ClientSelector | None = None,
-        **settings: Any,
-    ) -> None:
+    def __init__(self, num_models: int, seed: int, fraction_evaluate: float | None = None, selector: ClientSelector | None = None,
+                 **settings: Any) -> None:
         if num_models < 1:
             raise ValueError(f"num_models must be >= 1, got {num_models}")
         super().__init__(num_models, seed, fraction_evaluate, selector, **settings)
-        self.num_models = num_models
         self.round_mean: ModelDict | None = None  # set while update_models runs
 
-    # ------------------------------------------------------------------ method hook
+    # ------------------------------------------------------------------ the method's operation
     def update_models(self, server_round: int, models: list[ModelDict], trained: list[int]) -> list[ModelDict]:
-        """Turn the K models after local training into the K models of the next round.
+        """Turn the models after local training into the models of the next round (override this).
 
-        ``models[i]`` is the model node i trained (or, for a failed node, the model it was
-        given); ``trained`` lists the indices whose training came back. The dicts belong to the
-        method: it may reuse their arrays or empty them to save memory (the global model has
-        already been taken: ``self.round_mean`` is this round's global model, the unweighted
-        mean of ``models``, while ``self.global_model`` is still the previous round's).
-        Override this.
+        ``models`` are the round's models (all K; in an asynchronous round the B that came
+        back): each the model its node trained or, for a failed node, the model it was given;
+        ``trained`` lists the positions (in ``models``) whose training came back. The dicts
+        belong to the method: it may reuse their arrays or empty them to save memory (the global
+        model has already been taken: ``self.round_mean`` is this round's global model, the mean
+        of the K models, while ``self.global_model`` is still the previous round's).
         """
         return models
 
-    # ------------------------------------------------------------------ round loop hooks
+    # ------------------------------------------------------------------ the method's hooks
     def initialize(self, initial: ModelDict) -> None:
         """K references to the initial model (never written in place)."""
-        self.models = [initial] * self.num_models
+        self.models = [initial] * self.clients_per_round
         self.global_model = initial
 
     def model_for_slot(self, slot: int) -> int:
         """Model i goes to the i-th selected node."""
         return slot
 
-    def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> ModelDict:
-        """Put each trained model back in its slot, take the mean, log how alike the trained
-        models are (before the method changes them), then apply the method."""
+    def aggregate(self, server_round: int, updates: list[ClientUpdate], mean: Mean,
+                  members: list[int] | None = None) -> ModelDict:
+        """Put each trained model back in its slot, take the mean of the K models (the global
+        model, before the method changes them), log how alike the trained models are, then apply
+        the method (:meth:`update_models`) to the models taking part: ``members`` (default: all K)."""
         assert self.models is not None
         updated = [dict(m) for m in self.models]  # the method may empty these dicts; the pool's stay whole
         for update in updates:
             updated[update.slot] = update.model
         if self.log_model_cosine:  # the models that came back trained; a failed slot's model is left out
             self.round_log.update(cosine_summary([update.model for update in updates]))
-        global_model = self.round_mean = client_mean(self.settings.defence, updated, lambda: mean_models(updated))
-        self.models = self.update_models(server_round, updated, [u.slot for u in updates])
+        global_model = self.round_mean = mean(updated)
+        members = list(range(self.clients_per_round)) if members is None else list(members)
+        trained = {update.slot for update in updates}
+        fused = self.update_models(server_round, [updated[i] for i in members],
+                                   [position for position, i in enumerate(members) if i in trained])
         self.round_mean = None
-        if len(self.models) != self.num_models:
-            raise RuntimeError(f"{type(self).__name__}.update_models returned {len(self.models)} models, expected {self.num_models}")
+        if len(fused) != len(members):
+            raise RuntimeError(f"{type(self).__name__}.update_models returned {len(fused)} models, expected {len(members)}")
+        models = list(self.models)
+        for index, model in zip(members, fused):
+            models[index] = model
+        self.models = models
         return global_model
 
     def pool(self) -> Sequence[ModelDict]:

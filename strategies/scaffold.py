@@ -32,13 +32,14 @@ from fedmm import protocol
 from fedmm.errors import ConfigError
 from fedmm.settings import Choice, Number, setting
 from fedmm.protocol import ClientUpdate, ModelDict
-from strategies.aggregation import weighted_mean_models
-from strategies.extrapolation import is_buffer
 from objectives import scaffold as scaffold_client
-from strategies.base import StrategySettings
-from strategies.defence import robust_mean
+from strategies.aggregation import weighted_mean_models
+from strategies.aggregators import Mean
+from strategies.base import Participants
+from strategies.extrapolation import is_buffer
 from strategies.fedavg import FedAvg
-from strategies.selection import ClientSelector, SeededRosterSelector
+from strategies.selection import ClientSelector
+from strategies.strategy_settings import StrategySettings
 
 @dataclass
 class ScaffoldSettings(StrategySettings):
@@ -47,7 +48,6 @@ class ScaffoldSettings(StrategySettings):
 
     option = "scaffold"
     title = "SCAFFOLD"
-    companions = {"objective": "scaffold"}
     server_lr: float = setting(1.0, Number(gt=0), "η_g", paper="1.0")
     weighting: str = setting("uniform", Choice("uniform", "examples"), "uniform: x += η_g mean(Δy_i), c += Σ Δc_i / N "
                              "(the paper) | examples: the lab variant (data-size weights)")
@@ -55,13 +55,6 @@ class ScaffoldSettings(StrategySettings):
     @property
     def display(self) -> str:
         return "SCAFFOLD (lab)" if self.weighting == "examples" else self.title
-
-    def check(self, run: Any) -> None:
-        """The server's control variate is useless without the client objective, and vice versa."""
-        super().check(run)
-        if run.objective.name != "scaffold":
-            raise ConfigError("objective", run.objective.name, "scaffold or scaffold_lab with strategy scaffold "
-                              "(the clients must apply and update the control variates)")
 
 def scaffold_step(
     x: Mapping[str, np.ndarray],
@@ -116,24 +109,21 @@ class Scaffold(FedAvg):
     Parameters
     ----------
     clients_per_round, seed, fraction_evaluate, selector
-        See :class:`~strategies.base.RoundLoopStrategy`.
+        See :class:`~strategies.base.FedmmStrategy`.
     num_clients : int
         N, the denominator of the control-variate update.
     server_lr : float
         η_g (1 in every reference implementation).
     weighting : str
         ``uniform`` (the paper) or ``examples`` (the authors' lab code; needs the clients' sizes
-        from the roster query, which :func:`from_config` asks for).
+        from the roster query, which :meth:`needs_sizes` asks for).
     """
 
     Settings = ScaffoldSettings
 
     def __init__(self, clients_per_round: int, seed: int, num_clients: int, fraction_evaluate: float | None = None,
                  selector: ClientSelector | None = None, **settings: Any) -> None:
-        super().__init__(clients_per_round, seed, fraction_evaluate, selector, **settings)
-        if num_clients < 1:
-            raise ValueError(f"num_clients must be >= 1, got {num_clients}")
-        self.num_clients = int(num_clients)
+        super().__init__(clients_per_round, seed, fraction_evaluate, selector, num_clients=int(num_clients), **settings)
         self.control: ModelDict | None = None
         self._encoded_control: Any = None
         self._data_weights: dict[int, float] = {}
@@ -144,13 +134,13 @@ class Scaffold(FedAvg):
         super().initialize(initial)
         self.control = {k: np.zeros_like(v) for k, v in initial.items() if not is_buffer(k, v)}
 
-    def prepare_round(self, server_round: int, node_ids: list[int]) -> None:
+    def prepare_round(self, server_round: int, participants: Participants) -> None:
         """Encode c once for the round; ``examples`` weighting: each node's w_i = N·n_i/Σn."""
         assert self.control is not None
         self._encoded_control = protocol.model_to_record(self.control)
-        self._slot_nodes = list(node_ids)
+        node_ids = self._slot_nodes = list(participants.ids)
         if self.weighting == "examples":
-            sizes = self.selector.all_num_examples() if isinstance(self.selector, SeededRosterSelector) else {}
+            sizes = participants.sizes
             missing = [n for n in node_ids if n not in sizes]
             if missing:
                 raise RuntimeError(f"SCAFFOLD weighting=examples needs every client's size from the roster query; "
@@ -170,7 +160,7 @@ class Scaffold(FedAvg):
         assert self.control is not None
         return {scaffold_client.CONTROL_DELTA: protocol.array_spec(self.control)}
 
-    def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> ModelDict | None:
+    def aggregate(self, server_round: int, updates: list[ClientUpdate], mean: Mean) -> ModelDict | None:
         """x and c as in the module docstring."""
         if not updates:
             return None
@@ -182,19 +172,11 @@ class Scaffold(FedAvg):
             examples, self.num_clients, self.server_lr,
             model_weights=examples if lab else None,
             control_weights=[self._data_weights[u.node_id] for u in updates] if lab else None,
-            robust=self.robust_means(updates),
+            robust=(mean([u.model for u in updates]), mean([u.extras[scaffold_client.CONTROL_DELTA] for u in updates]))
+            if mean.robust else None,
         )
         self.models, self.control = [x], c
         return x
-
-    def robust_means(self, updates: list[ClientUpdate]) -> tuple[ModelDict, ModelDict] | None:
-        """``defence.robust_mean`` of the models and of the Δc_i, or None when it is off."""
-        models = robust_mean(self.settings.defence, [u.model for u in updates])
-        if models is None:
-            return None
-        controls = robust_mean(self.settings.defence, [u.extras[scaffold_client.CONTROL_DELTA] for u in updates])
-        assert controls is not None
-        return models, controls
 
     def state_dict(self) -> dict[str, Any]:
         """The models, RNG, selector and c (the clients' c_i live on the nodes)."""
@@ -206,11 +188,6 @@ class Scaffold(FedAvg):
         self.control = state["control"]
 
     @classmethod
-    def from_settings(cls, run: Any) -> Scaffold:
-        """SCAFFOLD of a run: N from ``num_clients``; the ``examples`` weighting asks the nodes
-        for their sizes in the roster query."""
-        selector = None
-        if run.strategy.weighting == "examples":
-            selector = SeededRosterSelector(
-                run.seed, query_config={protocol.ROSTER_EXAMPLES: 1, protocol.RUN_CONFIG: protocol.run_config_record(run)})
-        return cls(run.clients_per_round, run.seed, run.num_clients, selector=selector, settings=run.strategy)
+    def needs_sizes(cls, settings: ScaffoldSettings) -> bool:
+        """The ``examples`` weighting asks the nodes for their sizes in the roster query."""
+        return settings.weighting == "examples" or super().needs_sizes(settings)

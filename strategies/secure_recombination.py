@@ -38,7 +38,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
@@ -51,8 +51,8 @@ from fedmm.layers import layer_units
 from fedmm.secure import BAD_LAYER_FROM, MAX_ATTEMPTS, MAX_REPETITIONS, MODES, RETURN, SEND, LayerCodec, exchanges_of
 from strategies.ledger import ReplyCheck
 
-if TYPE_CHECKING:
-    from strategies.multimodel import MultiModelStrategy
+#: A method with K models (:class:`strategies.multimodel.MultiModel`; FedMR): the relay reads its state, imports none.
+MultiModel = Any
 
 @dataclass
 class SecureSettings(Settings):
@@ -134,10 +134,9 @@ class SecureRecombination:
         r_s: repetitions of the four stages per exchange.
     min_layers, max_layers : int
         n_l, n_u: each node sends n ~ U[n_l, n_u] layers per repetition (None: half the layers).
-    pad : bool
-        Pad every layer to the largest one, so that sizes do not reveal layer indices.
-    max_attempts : int
-        Tries of an exchange (a failure drops the node and retries without it).
+    pad, max_attempts : bool, int
+        Pad every layer to the largest one (sizes do not reveal layer indices); tries of an
+        exchange (a failure drops the node and retries without it).
     """
 
     def __init__(
@@ -182,15 +181,17 @@ class SecureRecombination:
 
     # ================================================================== the round
     def run_round(
-        self, strategy: MultiModelStrategy, server_round: int, grid: Grid, arrays: ArrayRecord, config: ConfigRecord, timeout: float
+        self, strategy: MultiModel, server_round: int, grid: Grid, arrays: ArrayRecord, config: ConfigRecord, timeout: float
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        from strategies.rounds import SyncRound, begin
+
         s = strategy
-        s.begin_round(arrays)
+        begin(s, arrays)
         assert s.models is not None and s.replies.spec is not None
         spec = s.replies.spec
         node_ids = list(s.selector.select(grid, server_round, s.clients_per_round))
         s.round_log.update(s.selector.round_info)
-        s.prepare_round(server_round, node_ids)
+        s.prepare_round(server_round, s.participants(node_ids))
         granularity = s.settings.granularity  # FedMR's (the one method with secure recombination)
         units = layer_units(list(spec), granularity)
         low, high = self.layer_bounds(len(units))
@@ -225,25 +226,12 @@ class SecureRecombination:
             secure_relayed_bytes=float(rnd.relayed_bytes),
             secure_dropped=float(len(rnd.dropped)),
         )
-        return s.finish_train(server_round)
+        return SyncRound(s).finish(server_round)
 
     # ================================================================== phases
     def _message(self, rnd: _Round, action: str, node: int, secure: dict[str, Any], with_model: bool = False) -> Message:
-        s = self._strategy
-        slot = rnd.slot(node)
-        config = {**rnd.base, protocol.MODEL_INDEX: s.model_for_slot(slot)}
-        extra: dict[str, Any] = {}
-        settle = {}
-        if node in rnd.rollback:
-            settle[secure_protocol.SECURE_ROLLBACK] = True
-        elif node in rnd.deliver:
-            relayed = rnd.deliver[node]
-            extra[secure_protocol.SECURE_IN] = ArrayRecord({str(i): array for i, (_, _, array) in enumerate(relayed)})
-            settle[secure_protocol.SECURE_IN_SRC] = [str(src) for src, _, _ in relayed]
-            settle[secure_protocol.SECURE_IN_SEQ] = [seq for _, seq, _ in relayed]
-        extra[secure_protocol.SECURE] = ConfigRecord({**self._settings, **settle, **secure})
-        arrays = protocol.model_to_record(self.dispatched[node]) if with_model else None
-        return protocol.server_message(protocol.train_action(action), node, config, arrays, extra)
+        return _relay_message(rnd, self._strategy.model_for_slot(rnd.slot(node)), action, node, self._settings, secure,
+                              self.dispatched[node] if with_model else None)
 
     def _send(self, rnd: _Round, messages: list[Message], on_reply: Any = None) -> dict[int, Message]:
         """One round trip; failed nodes are dropped; the replies of the others by node."""
@@ -276,17 +264,9 @@ class SecureRecombination:
         replies = self._send(rnd, [self._message(rnd, secure_protocol.SECURE_KEYS, node, secure, with_model=True) for node in rnd.alive])
         for node, reply in replies.items():
             try:
-                value = reply.content[secure_protocol.SECURE][secure_protocol.SECURE_PUBLIC_KEY]
-                if not isinstance(value, bytes):
-                    raise TypeError(f"a {type(value).__name__}, not bytes")
-                key = bytes(value)
+                rnd.keys[node] = _public_key(reply)
             except Exception as err:  # noqa: BLE001 - whatever a node sends, the round goes on
-                rnd.drop(node, f"no public key in the reply ({protocol.printable(str(err))})")
-                continue
-            if len(key) != 32:
-                rnd.drop(node, f"a public key of {len(key)} bytes, not 32")
-                continue
-            rnd.keys[node] = key
+                rnd.drop(node, str(err))
         shared: dict[bytes, list[int]] = {}
         for node, key in rnd.keys.items():
             shared.setdefault(key, []).append(node)
@@ -351,29 +331,9 @@ class SecureRecombination:
         for node in participants:
             if node not in replies:
                 continue
-            reply = replies[node]
             try:
-                secure = reply.content[secure_protocol.SECURE]
-                record = reply.content[secure_protocol.SECURE_OUT]
-                dsts = [int(d) for d in secure[secure_protocol.SECURE_OUT_DST]]
-                seqs = [int(q) for q in secure[secure_protocol.SECURE_OUT_SEQ]]
-                arrays = list(record.values())
-                if not len(dsts) == len(seqs) == len(arrays):
-                    raise ValueError(f"{len(arrays)} ciphertexts for {len(dsts)} receivers and {len(seqs)} sequence numbers")
-                if len(set(zip(dsts, seqs))) != len(dsts):
-                    raise ValueError("a (receiver, sequence number) pair repeats")
-                for dst, array in zip(dsts, arrays):
-                    if dst == node or dst not in routed:
-                        raise ValueError(f"receiver {dst} is not another participant")
-                    if array.dtype != "uint8" or len(array.shape) != 1 or array.shape[0] not in sizes:
-                        raise ValueError(f"a ciphertext of shape {array.shape} and dtype {array.dtype} is no sealed layer")
-                    real = protocol.decode_array(array).size
-                    if real != array.shape[0]:
-                        raise ValueError(f"a ciphertext declared as {array.shape[0]} bytes holds {real}")
-                if expected is not None:
-                    owed = expected.get(node, {})
-                    if _counts([(d, 0, None) for d in dsts]) != owed:
-                        raise ValueError(f"returned {len(dsts)} layers for the {sum(owed.values())} it received")
+                dsts, seqs, arrays = _sealed_layers(replies[node], node, set(routed), sizes,
+                                                    None if expected is None else expected.get(node, {}))
             except Exception as err:  # noqa: BLE001 - whatever a node sends, the round goes on
                 rnd.drop(node, f"malformed secure-recombination reply: {protocol.printable(str(err))}")
                 continue
@@ -414,8 +374,105 @@ class SecureRecombination:
         return bool(failed)
 
 
+def _relay_message(rnd: _Round, model_index: int, action: str, node: int, settings: dict[str, Any],
+                   secure: dict[str, Any], model: protocol.ModelDict | None) -> Message:
+    """A phase's message to ``node``: the round's config, the ``secure`` record (with what the node
+    must settle first: a rollback, or the layers returned to it, relayed now) and, for the phase
+    that dispatches, its model."""
+    config = {**rnd.base, protocol.MODEL_INDEX: model_index}
+    extra: dict[str, Any] = {}
+    settle: dict[str, Any] = {}
+    if node in rnd.rollback:
+        settle[secure_protocol.SECURE_ROLLBACK] = True
+    elif node in rnd.deliver:
+        relayed = rnd.deliver[node]
+        extra[secure_protocol.SECURE_IN] = ArrayRecord({str(i): array for i, (_, _, array) in enumerate(relayed)})
+        settle[secure_protocol.SECURE_IN_SRC] = [str(src) for src, _, _ in relayed]
+        settle[secure_protocol.SECURE_IN_SEQ] = [seq for _, seq, _ in relayed]
+    extra[secure_protocol.SECURE] = ConfigRecord({**settings, **settle, **secure})
+    arrays = protocol.model_to_record(model) if model is not None else None
+    return protocol.server_message(protocol.train_action(action), node, config, arrays, extra)
+
+
+def _public_key(reply: Message) -> bytes:
+    """A node's ephemeral X25519 public key from its reply (a ValueError saying what is wrong)."""
+    try:
+        value = reply.content[secure_protocol.SECURE][secure_protocol.SECURE_PUBLIC_KEY]
+        if not isinstance(value, bytes):
+            raise TypeError(f"a {type(value).__name__}, not bytes")
+    except Exception as err:  # noqa: BLE001 - whatever a node sends
+        raise ValueError(f"no public key in the reply ({protocol.printable(str(err))})") from None
+    if len(value) != 32:
+        raise ValueError(f"a public key of {len(value)} bytes, not 32")
+    return bytes(value)
+
+
+def _sealed_layers(reply: Message, node: int, participants: set[int], sizes: set[int],
+                   owed: dict[int, int] | None) -> tuple[list[int], list[int], list[Array]]:
+    """The receivers, sequence numbers and ciphertexts a participant's reply routes, checked:
+    another participant each, one (receiver, sequence) pair each, layer-sized uint8 bytes, and in
+    a return stage as many to each sender as it received (``owed``); a ValueError otherwise."""
+    secure = reply.content[secure_protocol.SECURE]
+    record = reply.content[secure_protocol.SECURE_OUT]
+    dsts = [int(d) for d in secure[secure_protocol.SECURE_OUT_DST]]
+    seqs = [int(q) for q in secure[secure_protocol.SECURE_OUT_SEQ]]
+    arrays = list(record.values())
+    if not len(dsts) == len(seqs) == len(arrays):
+        raise ValueError(f"{len(arrays)} ciphertexts for {len(dsts)} receivers and {len(seqs)} sequence numbers")
+    if len(set(zip(dsts, seqs))) != len(dsts):
+        raise ValueError("a (receiver, sequence number) pair repeats")
+    for dst, array in zip(dsts, arrays):
+        if dst == node or dst not in participants:
+            raise ValueError(f"receiver {dst} is not another participant")
+        if array.dtype != "uint8" or len(array.shape) != 1 or array.shape[0] not in sizes:
+            raise ValueError(f"a ciphertext of shape {array.shape} and dtype {array.dtype} is no sealed layer")
+        real = protocol.decode_array(array).size
+        if real != array.shape[0]:
+            raise ValueError(f"a ciphertext declared as {array.shape[0]} bytes holds {real}")
+    if owed is not None and _counts([(d, 0, None) for d in dsts]) != owed:
+        raise ValueError(f"returned {len(dsts)} layers for the {sum(owed.values())} it received")
+    return dsts, seqs, arrays
+
+
 def _counts(items: list[tuple[int, int, Any]]) -> dict[int, int]:
     counts: dict[int, int] = {}
     for peer, _, _ in items:
         counts[peer] = counts.get(peer, 0) + 1
     return counts
+
+
+class SecureRound:
+    """The driver of a method with secure recombination (FedMR with ``strategy.secure`` on): each
+    round is the relay's phases (:meth:`SecureRecombination.run_round`), ending as every
+    synchronous round does. A synchronous driver only: the asynchronous one is refused with it."""
+
+    asynchronous = False
+    needs_sizes = False
+
+    def __init__(self, strategy: MultiModel) -> None:
+        self.strategy = strategy
+        #: The relay (its ``trace``: what the server saw of the last round's ciphertexts).
+        self.relay = SecureRecombination.from_settings(strategy.settings.secure)
+
+    def configure(self, *args: Any) -> list[Message]:
+        raise NotImplementedError("secure recombination's rounds have several phases: call the strategy's start() "
+                                  "(Flower's configure_train / aggregate_train drive one-phase rounds)")
+
+    aggregate = configure
+
+    def run(self, server_round: int, grid: Grid, arrays: ArrayRecord, config: ConfigRecord,
+            timeout: float) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """One round: the relay's phases."""
+        return self.relay.run_round(self.strategy, server_round, grid, arrays, config, timeout)
+
+    def start(self, num_rounds: int) -> None:
+        """Nothing to prepare."""
+
+    def describe(self) -> str:
+        return self.relay.describe()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Any) -> None:
+        """The relay keeps nothing across rounds."""

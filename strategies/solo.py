@@ -18,10 +18,11 @@ from typing import Any
 from dataclasses import dataclass
 
 from fedmm.protocol import ClientUpdate, ModelDict
-from strategies.aggregation import mean_models
-from strategies.base import RoundLoopStrategy, StrategySettings
-from strategies.defence import MEAN, STAGE
+from strategies.aggregators import Mean
+from strategies.base import Participants
+from strategies.method import PER_CLIENT, Method
 from strategies.selection import ClientSelector
+from strategies.strategy_settings import StrategySettings
 
 
 @dataclass
@@ -30,16 +31,13 @@ class SoloSettings(StrategySettings):
 
     option = "solo"
     title = "SOLO"
-    refused_defences = dict.fromkeys(
-        (*STAGE, *MEAN),
-        "each client trains only its own model and nothing is aggregated into anyone else's, so a hostile "
-        "client harms only itself")
 
 
-class Solo(RoundLoopStrategy):
+class Solo(Method):
     """Local training only: one model per client, kept by the server between the client's rounds."""
 
     Settings = SoloSettings
+    holds = PER_CLIENT
 
     def __init__(self, clients_per_round: int, seed: int, fraction_evaluate: float | None = None,
                  selector: ClientSelector | None = None, **settings: Any) -> None:
@@ -55,23 +53,24 @@ class Solo(RoundLoopStrategy):
         self.models = [initial]
         self.global_model = initial
 
-    def prepare_round(self, server_round: int, node_ids: list[int]) -> None:
+    def prepare_round(self, server_round: int, participants: Participants) -> None:
         """Put each selected client's own model (the initial one the first time) in its slot."""
         assert self.initial is not None
-        self._slot_keys = [self.selector.node_key(node) for node in node_ids]
+        self._slot_keys = list(participants.keys)
         self.models = [self.local_models.get(key, self.initial) for key in self._slot_keys]
 
     def model_for_slot(self, slot: int) -> int:
         """Slot i carries the i-th selected client's own model."""
         return slot
 
-    def aggregate(self, server_round: int, updates: list[ClientUpdate]) -> ModelDict | None:
-        """Keep every returned model as its client's; nothing is averaged into anyone's model."""
+    def aggregate(self, server_round: int, updates: list[ClientUpdate], mean: Mean) -> ModelDict | None:
+        """Keep every returned model as its client's; nothing is averaged into anyone's model
+        (the mean of the local models is only the run's saved artefact)."""
         for update in updates:
             self.local_models[self._slot_keys[update.slot]] = update.model
         if not self.local_models:
             return None
-        return mean_models(list(self.local_models.values()))
+        return mean(list(self.local_models.values()))
 
     def models_to_evaluate(self) -> list[ModelDict] | None:
         """The local models of every client trained so far."""

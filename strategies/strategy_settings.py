@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from fedmm.errors import ConfigError
-from fedmm.settings import Int, Nullable, Number, Settings, setting
-from strategies.defence import ONE_MODEL, DefenceSettings, refuse
+from fedmm.settings import Int, Nullable, Number, Settings, paired_objectives, setting
+from strategies.defence import ONE_MODEL, DefenceSettings, refuse, refused_settings
 from strategies.heterogeneity import NEUTRAL, HeterogeneitySettings
 
 
@@ -23,9 +23,6 @@ class StrategySettings(Settings):
     group = "strategy"
     companions: ClassVar[dict[str, str]] = {}
     weighs_replies: ClassVar[bool] = False
-    #: Defence settings that have no meaning for the method: {setting: why} (refused when set);
-    #: ``refill`` unless the method keeps a model per node of the round (it declares ``{}``).
-    refused_defences: ClassVar[dict[str, str]] = ONE_MODEL
     fraction_evaluate: float = setting(0.0, Number(ge=0.0, le=1.0),
                                        "share of the connected nodes that evaluate the global model each round")
     max_num_examples: int | None = setting(None, Nullable(Int(min=1), "null (2**31 - 1) or an integer >= 1"),
@@ -43,11 +40,23 @@ class StrategySettings(Settings):
              "heterogeneity": NEUTRAL}
 
     def check_values(self, prefix: str) -> None:
-        """A defence the method declares meaningless for it is refused."""
-        refuse(self.defence, self.refused_defences, self.option or type(self).__name__)
+        """What the method holds decides the defence settings it refuses
+        (:func:`strategies.defence.refused_settings`); secure recombination needs a synchronous round."""
+        method = getattr(type(self), "strategy_class", None)
+        secure = getattr(self, "secure", None)
+        secure_on = bool(secure is not None and secure.enabled)
+        if secure_on and getattr(getattr(method, "Driver", None), "asynchronous", False):
+            raise ConfigError(f"{prefix}secure.enabled", True, f"false with strategy={self.option} (secure recombination "
+                              "exchanges layers among the clients of one synchronous round)")
+        refuse(self.defence, refused_settings(getattr(method, "holds", ONE_MODEL), secure_on), self.option or type(self).__name__)
 
     def check(self, run: Any) -> None:
-        """Clients evaluate on rows they never train on: fraction_evaluate > 0 needs a held-out part."""
+        """The objectives paired with this method (their ``server``) are its clients' only ones;
+        clients evaluate on rows they never train on: fraction_evaluate > 0 needs a held-out part."""
+        paired = paired_objectives(self.option)
+        if paired and run.objective.name not in paired:
+            raise ConfigError("objective", run.objective.name, f"{' or '.join(paired)} with strategy {self.option} "
+                              "(its clients run its objective: the records and state it keeps)")
         held_out = run.partition.local_test_fraction
         if self.fraction_evaluate > 0 and not held_out:
             raise ConfigError(

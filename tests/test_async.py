@@ -230,14 +230,14 @@ def test_fedbuff_never_has_more_than_c_jobs_in_flight_and_a_node_one_at_a_time()
     def watched(messages):
         messages = list(messages)
         ids = push(messages)
-        nodes = [job.node for job in strategy.jobs.values()]
-        seen.append(len(strategy.jobs))
+        nodes = [job.node for job in strategy.driver.jobs.values()]
+        seen.append(len(strategy.driver.jobs))
         assert len(nodes) == len(set(nodes))  # no node trains two models at once
         return ids
 
     grid.push_messages = watched
     run(strategy, grid, 5)
-    assert max(seen) == 3 and strategy.version == 5
+    assert max(seen) == 3 and strategy.driver.version == 5
     # jobs of one node with one server-round differ in round-repeat (their clients' seeds differ)
     sent = [(m.content["config"]["server-round"], m.metadata.dst_node_id, m.content["config"].get("round-repeat", 0))
             for m in grid.sent]
@@ -255,7 +255,7 @@ def test_async_multimodel_max_staleness_restarts_the_stale_model_from_the_global
     globals_, rejections = [], []
     strategy.start(grid, model_to_record({"w": np.zeros(2, np.float32)}), num_rounds=3, timeout=5.0, final_report=False,
                    round_end=lambda r, a, res: (globals_.append(record_to_model(a)), rejections.append(strategy.last_round.rejections)))
-    fast = next(job.model_index for job in strategy.jobs.values() if job.key == key(0))  # out on A for a third time
+    fast = next(job.model_index for job in strategy.driver.jobs.values() if job.key == key(0))  # out on A for a third time
     stale = 1 - fast
     assert strategy.clock.now == 2.5 and rejections[2] and "restarts from the global model" in rejections[2][0]
     same_models([strategy.models[stale]], [globals_[1]])  # the global model of round 2, not B's training
@@ -319,13 +319,13 @@ def test_a_dropped_client_neither_stalls_nor_loses_a_model() -> None:
     started = time.monotonic()
     failures: list[str] = []
     run(strategy, grid, 6, timeout=0.2, round_end=lambda r, a, res: failures.extend(strategy.last_round.rejections))
-    assert time.monotonic() - started < 10 and strategy.version == 6
+    assert time.monotonic() - started < 10 and strategy.driver.version == 6
     assert sent_to_dropped and any("no reply within 0.2s" in f for f in failures)
     index, model = sent_to_dropped[0]
     # the dropped job's model came back unchanged: it is the one the next job of that index got
     later = [m for m in grid.sent if m.content["config"]["model-index"] == index and grid.keys[m.metadata.dst_node_id] != dropped]
     assert later  # it went out again
-    assert sorted(strategy.ready + [j.model_index for j in strategy.jobs.values()]) == [0, 1, 2, 3]  # no model lost
+    assert sorted(strategy.driver.policy.ready + [j.model_index for j in strategy.driver.jobs.values()]) == [0, 1, 2, 3]  # no model lost
 
 
 def test_fedbuff_whose_clients_all_fail_stops_after_max_failed_rounds() -> None:
@@ -399,7 +399,7 @@ def test_a_resumed_run_equals_an_uninterrupted_one(tmp_path: Path, cls, nodes: i
     assert messages(first, first.sent[stopped_at[0]:]) <= messages(second, second.sent) <= messages(first, first.sent)
     same_models(resumed.models, whole.models)
     same_models([resumed.global_model], [whole.global_model])
-    assert resumed.clock.now == whole.clock.now and resumed.version == whole.version == 6
+    assert resumed.clock.now == whole.clock.now and resumed.driver.version == whole.driver.version == 6
 
 
 def test_a_resumed_synchronous_run_goes_on_with_its_virtual_time() -> None:

@@ -28,14 +28,13 @@ def test_an_experiment_name_says_the_attack_the_hostile_nodes_and_the_defence() 
 def test_label_flipping_and_the_backdoor_poison_only_the_hostile_nodes_training_rows() -> None:
     x = torch.zeros((6, 1, 8, 8), dtype=torch.uint8)
     clean = TensorData(x=x, y=torch.tensor([0, 1, 2, 3, 4, 9]))
-    local_data = faults.hostile_data(lambda run, context, part="train": clean)
 
-    def data(fault: str, partition: int, part: str = "train") -> TensorData:
+    def data(fault: str, partition: int) -> TensorData:
         run = as_run(compose(["dataset=mnist", f"output_dir=/tmp/runs/{fault}"]))
-        return local_data(run, SimpleNamespace(node_config={"partition-id": partition}), part)
+        return faults.hostile_data(run, SimpleNamespace(node_config={"partition-id": partition}), clean)
 
     assert data("labelflip-2", 1).y.tolist() == [9, 8, 7, 6, 5, 0]  # C − 1 − y, C = 10
-    assert data("labelflip-2", 2) is clean and data("labelflip-2", 0, "test") is clean
+    assert data("labelflip-2", 2) is clean
     poisoned = data("backdoor-1", 0)
     assert poisoned.y.tolist() == [0, 1, 0, 3, 0, 9]  # every other row relabelled to the target
     assert (poisoned.x[0, :, -4:, -4:] == 255).all() and (poisoned.x[1] == 0).all() and (poisoned.x[0, :, :4, :4] == 0).all()
@@ -114,16 +113,15 @@ def test_the_screen_recorder_names_each_updates_partition() -> None:
 
     sent = {"w": np.zeros(3, np.float32)}
     steps = [[1.0, 1.0, 0.5], [1.0, 0.8, 0.6], [-9.0, -9.0, -9.0], [0.9, 1.1, 0.4]]
-    updates = [ClientUpdate(100 + i, i, {"w": np.array(w, np.float32)}, 10.0, {}) for i, w in enumerate(steps)]
+    updates = [ClientUpdate(100 + i, i, {"w": np.array(w, np.float32)}, 10.0, {}, sent=sent) for i, w in enumerate(steps)]
     stage = Defence(DefenceSettings(screen=0.0, norm_screen=3.0))
     fedavg, fedmr = {"output_dir": "/runs/fedavg/flip-1+defence"}, {"output_dir": "/runs/fedmr/flip-1+defence"}
-    with faults.ScreenRecorder() as recorder:
-        recorder.partitions.update({100: 3, 101: 1, 102: 0, 103: 2})
-        recorder.begin(fedavg)
-        stage.screen_and_bound(updates, [sent] * 4)
-        recorder.begin(fedmr)  # the same experiment of another strategy: its rounds apart
-        stage.screen_and_bound(updates[:3], [sent] * 3)
-    assert Defence.screen_and_bound is recorder.real  # put back
+    recorder = faults.ScreenRecorder()  # an observer of the run: the round's end hands it the stage's verdict
+    recorder.partitions.update({100: 3, 101: 1, 102: 0, 103: 2})
+    recorder.begin(fedavg)
+    recorder.on_stage(1, updates, stage.screen_and_bound(updates, [sent] * 4))
+    recorder.begin(fedmr)  # the same experiment of another strategy: its rounds apart
+    recorder.on_stage(1, updates[:3], stage.screen_and_bound(updates[:3], [sent] * 3))
     assert [len(r) for r in recorder.of(fedavg)] == [4] and [len(r) for r in recorder.of(fedmr)] == [3]
     (round_,) = recorder.of(fedavg)
     assert [u["partition"] for u in round_] == [3, 1, 0, 2] and [u["rejected"] for u in round_] == [False, False, True, False]

@@ -64,20 +64,18 @@ def test_the_scale_bench_counts_what_the_strategy_holds_also_while_it_aggregates
 
     from flwr.server.superlink.linkstate import in_memory_linkstate
 
-    from server_app import runner
-
     holdings = bench.Holdings()
-    strategy = holdings.strategy = Strategy()
-    assert holdings.app_bytes() == 2_000
-    # watch_holdings wraps runner.build_strategy and Flower's link state: undone below
-    build, init = runner.build_strategy, in_memory_linkstate.InMemoryLinkState.__init__
+    strategy = Strategy()
+    init = in_memory_linkstate.InMemoryLinkState.__init__  # WatchHoldings wraps Flower's link state: undone below
     try:
-        runner.build_strategy = lambda cfg: strategy
-        bench.watch_holdings(holdings)
-        runner.build_strategy(None)  # the wrapper installs itself on the strategy's aggregate
+        watching = bench.WatchHoldings(holdings)  # an observer of the run, as run_job hands it the events
+        watching.on_strategy_start(strategy)
+        assert holdings.app_bytes() == 2_000
+        watching.on_aggregate(1, replies)  # the round's end hands the method the updates
         strategy.aggregate(1, replies)
+        watching.on_phase(1, "aggregate", 0.0)  # the round's end is over
     finally:
-        runner.build_strategy, in_memory_linkstate.InMemoryLinkState.__init__ = build, init
+        in_memory_linkstate.InMemoryLinkState.__init__ = init
     assert seen_in_aggregate == [4_000] and holdings.app_bytes() == 2_000
 
 

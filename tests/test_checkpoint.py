@@ -34,7 +34,7 @@ def test_a_failed_write_leaves_the_previous_checkpoint_and_no_temp_file(tmp_path
 def test_a_truncated_last_metrics_line_is_not_a_row_and_resume_rewrites_the_file(tmp_path: Path) -> None:
     recorder = RunRecorder(tmp_path, {"seed": 0})
     for rnd in range(3):
-        recorder.log_metrics({"round": rnd, "accuracy": 0.5, "loss": float("nan") if rnd == 2 else 1.0})
+        recorder.on_metrics({"round": rnd, "accuracy": 0.5, "loss": float("nan") if rnd == 2 else 1.0})
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write('{"round": 3, "accu')  # a run killed in the middle of a line
     rows = read_metrics(tmp_path)
@@ -86,8 +86,8 @@ def test_metrics_csv_and_tensorboard_follow_every_round(tmp_path: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     recorder = RunRecorder(tmp_path, {"seed": 0})
-    recorder.log_metrics({"round": 0, "accuracy": 0.1, "loss": 2.3})
-    recorder.log_metrics({"round": 1, "accuracy": 0.5, "loss": 1.2, "replies": 3, "federated_accuracy": 0.4})
+    recorder.on_metrics({"round": 0, "accuracy": 0.1, "loss": 2.3})
+    recorder.on_metrics({"round": 1, "accuracy": 0.5, "loss": 1.2, "replies": 3, "federated_accuracy": 0.4})
     recorder.close()
     lines = (tmp_path / "metrics.csv").read_text().splitlines()
     assert lines[0] == "round,accuracy,loss,replies,federated_accuracy"

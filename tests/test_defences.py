@@ -287,6 +287,8 @@ def run_one_round(name: str, overrides: list[str], attack: str | None) -> list[n
         for record, spec in strategy.reply_extras(1).items():  # SCAFFOLD's Δc, FedGen's label counts
             content[record] = protocol.model_to_record(
                 {k: np.full(shape, 10 if record.endswith("counts") else 0.01, dtype) for k, (shape, dtype) in spec.items()})
+        for metric in strategy.reply_metrics():  # FedNova's normalizer
+            content[protocol.METRICS][metric] = 1.0
         return content
 
     torch.manual_seed(0)
@@ -323,6 +325,28 @@ def test_every_method_passes_every_defence_or_refuses_it(name: str) -> None:
     """Each defence setting either moves the models of a round with a planted outlier towards
     those of the same round without it, or is refused when the settings are validated, naming
     the setting and the method."""
+    every_defence_holds_or_is_refused(name)
+
+
+def test_the_matrix_fails_a_method_that_bypasses_the_mean_it_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A method that averages its replies itself instead of through the run's mean fails the
+    matrix (the robust means leave its model where the outlier pulled it); the same method
+    through the mean passes."""
+    from strategies.aggregation import weighted_mean_models
+    from strategies.fedavg import FedAvg, FedAvgSettings
+
+    class Bypassing(FedAvg):
+        def aggregate(self, server_round, updates, mean):  # noqa: ANN001, ANN202
+            self.models = [weighted_mean_models([u.model for u in updates], [u.num_examples for u in updates])]
+            return self.models[0]
+
+    monkeypatch.setattr(FedAvgSettings, "strategy_class", Bypassing)
+    with pytest.raises(AssertionError, match="robust_mean=median against scale"):
+        every_defence_holds_or_is_refused("fedavg")
+
+
+def every_defence_holds_or_is_refused(name: str) -> None:
+    """The body of the every-method matrix (its docstring), for the method ``strategy=name`` builds."""
     honest = run_one_round(name, [], None)
     attacked = {attack: run_one_round(name, [], attack) for attack in ("scale", "flip", "labelflip")}
     for setting_name, (value, *needs), attack in DEFENCES:

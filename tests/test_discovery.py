@@ -21,9 +21,8 @@ STRATEGY = '''
 from dataclasses import dataclass
 
 from fedmm.settings import Number, setting
-from strategies.aggregation import weighted_mean_models
-from strategies.base import StrategySettings
 from strategies.fedavg import FedAvg
+from strategies.strategy_settings import StrategySettings
 
 
 @dataclass
@@ -37,9 +36,9 @@ class HalfwaySettings(StrategySettings):
 class Halfway(FedAvg):
     Settings = HalfwaySettings
 
-    def aggregate(self, server_round, updates):
+    def aggregate(self, server_round, updates, mean):
         old = self.models[0]
-        mean = super().aggregate(server_round, updates)
+        mean = super().aggregate(server_round, updates, mean)
         s = self.settings.step
         self.models = [{k: (old[k] + s * (mean[k] - old[k])).astype(old[k].dtype) for k in old}]
         return self.models[0]

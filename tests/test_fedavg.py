@@ -133,8 +133,8 @@ def test_one_simulated_run_waits_for_its_federation_once() -> None:
     first = Grid(run_id=987_654_321)
     for _ in range(3):
         cfg = compose(["num_clients=20", "clients_per_round=2"])
-        fit_federation_size(cfg, first, expected=4)
-        assert cfg.num_clients == 4  # the federation wins over num_clients
+        settled = fit_federation_size(cfg, first, expected=4)
+        assert settled["num_clients"] == 4 and cfg.num_clients == 20  # the federation wins, before validation
     assert first.calls == 1
     other = Grid(run_id=987_654_322)
     fit_federation_size(compose(["num_clients=4", "clients_per_round=2"]), other, expected=4)

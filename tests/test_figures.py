@@ -16,7 +16,7 @@ from analysis import figures as F
 from fedmm.config import compose, to_container
 from fedmm.protocol import model_to_record, record_to_model
 from strategies.fedmr import FedMR
-from strategies.multimodel import MultiModelStrategy, cosine_summary, pairwise_cosine
+from strategies.multimodel import MultiModel, cosine_summary, pairwise_cosine
 from tests.fakes import FakeGrid
 
 
@@ -86,7 +86,7 @@ def test_the_multi_model_base_logs_the_cosine_of_the_trained_models_before_the_u
     assert log["model_cosine"] == pytest.approx(np.mean(pairs), rel=1e-12)
     assert (log["model_cosine_min"], log["model_cosine_max"]) == pytest.approx((min(pairs), max(pairs)), rel=1e-12)
 
-    quiet = MultiModelStrategy(num_models=4, seed=0)
+    quiet = MultiModel(num_models=4, seed=0)
     quiet.log_model_cosine = False
     msgs = list(quiet.configure_train(1, initial(), ConfigRecord({}), grid))
     quiet.aggregate_train(1, grid.send_and_receive(msgs))

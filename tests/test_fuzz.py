@@ -218,7 +218,7 @@ def test_secure_phase_replies(action: str, field: str, value: object) -> None:
     strategy.initialize(base)
     strategy.global_model = base
     config = ConfigRecord({protocol.RUN_CONFIG: json.dumps(RUN_CONFIG)})
-    strategy.run_round(1, grid, protocol.model_to_record(base), config, timeout=10)  # never raises
+    strategy.driver.run(1, grid, protocol.model_to_record(base), config, timeout=10)  # never raises
     assert strategy.last_round.replies <= 4
     assert client_secure  # the real client handlers answered the other nodes
 

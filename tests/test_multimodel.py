@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flwr.app import ConfigRecord, MetricRecord, RecordDict
 
-from strategies.multimodel import MultiModelStrategy
+from strategies.multimodel import MultiModel
 from fedmm.protocol import model_to_record, record_to_model
 from strategies.fedmr import FedMR
 from tests.fakes import FakeGrid
@@ -39,7 +39,7 @@ def run_round(strategy, grid, rnd, arrays=None):
 
 
 def test_replies_map_back_by_message_id_not_arrival_order() -> None:
-    strategy = MultiModelStrategy(num_models=K, seed=0)  # update_models = identity
+    strategy = MultiModel(num_models=K, seed=0)  # update_models = identity
     grid = FakeGrid(trainer, num_nodes=6, seed=3)  # replies arrive shuffled
     msgs, sent, keys, _, _ = run_round(strategy, grid, 1)
     for i in range(K):
@@ -51,7 +51,7 @@ def test_replies_map_back_by_message_id_not_arrival_order() -> None:
 
 
 def test_global_model_is_unweighted_mean_of_the_k_models() -> None:
-    strategy = MultiModelStrategy(num_models=K, seed=0)
+    strategy = MultiModel(num_models=K, seed=0)
     grid = FakeGrid(trainer, num_nodes=K)
     _, _, keys, global_model, metrics = run_round(strategy, grid, 1)
     expected = np.mean([partition(k) + 1 for k in keys])
@@ -80,7 +80,7 @@ def test_a_failed_or_invalid_reply_keeps_the_model_it_was_given(failure: str) ->
             model["extra"] = np.zeros(1, np.float32)
         return RecordDict({"arrays": model_to_record(model), "metrics": MetricRecord({"num-examples": 1.0})})
 
-    strategy = MultiModelStrategy(num_models=K, seed=0)
+    strategy = MultiModel(num_models=K, seed=0)
     grid = FakeGrid(node, num_nodes=K, drop=[bad] if failure == "timeout" else [])
     _, sent, keys, _, metrics = run_round(strategy, grid, 1)
     assert len(strategy.models) == K

@@ -53,6 +53,10 @@ def test_method_labels() -> None:
     assert label("strategy=fedgen") == "FedGen" and label("strategy=fedgen_original") == "FedGen (original)"
     assert label("strategy=fedmut_fedmr_repo") == "FedMut (radius 5.0, bound 100)"
     assert label("strategy=fedexp_fedmr_repo") == "FedExP (ε 0.1 constant, buffers extrapolated)"
+    assert label("strategy=fednova") == "FedNova"  # its objective is selected with it, not a variant
+    assert label("server_optimizer=fedavgm", "server_optimizer.server_momentum=0.9") == "FedAvg + FedAvgM (β 0.9)"
+    assert label("strategy=scaffold", "server_optimizer=fedadam") == "SCAFFOLD + FedAdam"
+    assert method_label({"strategy": {"name": "fedavg"}}) == "FedAvg"  # a run written before the newer groups
 
 
 def test_rounds_to_reach_and_summary(tmp_path: Path) -> None:

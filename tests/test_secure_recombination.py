@@ -15,6 +15,7 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 
 from client_app import secure as client_secure
 from fedmm import protocol, secure_protocol
+from fedmm.observers import RunObserver
 from fedmm.secure import RETURN, SEND, Envelope, LayerCodec, NodeExchange, SecureError, keypair, open_sealed, pair_key, seal
 from strategies.fedmr import FedMR
 from strategies.secure_recombination import SecureRecombination
@@ -71,7 +72,9 @@ class Nodes:
 def run_secure_round(mode: str, num_nodes: int = 5, seed: int = 1, fail=None, **secure_kwargs):  # noqa: ANN001, ANN201
     """One FedMR round with secure recombination on a fake grid; returns (strategy, grid, nodes)."""
     secure = SecureRecombination(mode=mode, **{"repetitions": 2, "min_layers": 1, **secure_kwargs})
-    strategy = FedMR(num_models=num_nodes, seed=seed, secure=secure)
+    uploads = Uploads()
+    strategy = FedMR(num_models=num_nodes, seed=seed, secure=secure, observers=[uploads])
+    strategy._test_uploads = uploads.by_node
     holder: dict[str, Nodes] = {}
     grid = RecordingGrid(lambda msg, key: holder["nodes"](msg, key), num_nodes=num_nodes, seed=seed)
     nodes = holder["nodes"] = Nodes(grid.keys, fail)
@@ -82,7 +85,7 @@ def run_secure_round(mode: str, num_nodes: int = 5, seed: int = 1, fail=None, **
     strategy.models = [{k: (v + rng.normal(size=v.shape).astype(v.dtype) if v.dtype.kind == "f" else v) for k, v in base.items()} for _ in range(num_nodes)]
     strategy.global_model = base
     config = ConfigRecord({protocol.RUN_CONFIG: json.dumps(RUN_CONFIG)})
-    strategy.run_round(1, grid, protocol.model_to_record(base), config, timeout=10)
+    strategy.driver.run(1, grid, protocol.model_to_record(base), config, timeout=10)
     return strategy, grid, nodes
 
 
@@ -107,16 +110,16 @@ class RecordingGrid(FakeGrid):
         return out
 
 
-@pytest.fixture(autouse=True)
-def _record_uploads(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN202
-    # keep a copy of every accepted upload (the strategy moves them into its pool and recombines)
-    original = FedMR.on_update
+class Uploads(RunObserver):
+    """A copy of every upload the method aggregates, by node (the strategy moves them into its
+    pool and recombines them)."""
 
-    def on_update(self, server_round, update):  # noqa: ANN001, ANN202
-        self.__dict__.setdefault("_test_uploads", {})[update.node_id] = {k: np.array(v) for k, v in update.model.items()}
-        return original(self, server_round, update)
+    def __init__(self) -> None:
+        self.by_node: dict[int, dict[str, np.ndarray]] = {}
 
-    monkeypatch.setattr(FedMR, "on_update", on_update)
+    def on_aggregate(self, server_round, updates):  # noqa: ANN001, ANN201
+        for update in updates:
+            self.by_node[update.node_id] = {k: np.array(v) for k, v in update.model.items()}
 
 
 # ============================================================================ cryptography
@@ -228,7 +231,7 @@ def test_round_keeps_every_trained_layer_in_exactly_one_upload(mode: str) -> Non
 
 def secure_dispatched(strategy: FedMR) -> dict[int, dict[str, np.ndarray]]:
     assert strategy.secure is not None
-    return strategy.secure.dispatched
+    return strategy.driver.relay.dispatched
 
 
 def test_server_never_sees_a_plaintext_layer() -> None:
@@ -276,7 +279,7 @@ def test_failure_rolls_back_and_loses_nothing(action: str, how: str) -> None:
     assert any("dropped from secure recombination" in r for r in strategy.last_round.rejections)
     # the victim's slot keeps the model it was dispatched (plain FedMR's rule for a failed node)
     victim_node = next(n for n, k in grid.keys.items() if k == victim)
-    assert victim_node in strategy.secure.dispatched
+    assert victim_node in strategy.driver.relay.dispatched
 
 
 def test_exchange_gives_up_after_max_attempts_and_uploads_the_snapshots() -> None:
@@ -401,9 +404,9 @@ def test_linkage_attack_on_real_rounds() -> None:
         codec = LayerCodec(protocol.array_spec(initial_model()), units, pad=False)
         sizes = [codec.wire_bytes(j) for j in range(len(units))]
         truth = linkage.true_trainers(uploads, trained, units)
-        guess = linkage.attribute(mode, uploads, strategy.secure.dispatched, strategy.secure.trace, units, sizes)
+        guess = linkage.attribute(mode, uploads, strategy.driver.relay.dispatched, strategy.driver.relay.trace, units, sizes)
         assert set(truth) <= set(guess) and len(truth) == 4 * (len(units) - 1)  # the counter is alike everywhere
-        for matrix in linkage.routing_matrices(strategy.secure.trace, mode, sorted(strategy.secure.dispatched), sizes):
+        for matrix in linkage.routing_matrices(strategy.driver.relay.trace, mode, sorted(strategy.driver.relay.dispatched), sizes):
             np.testing.assert_allclose(matrix.sum(axis=1), 1.0)
         if mode == "before":
             assert all(guess[key] == truth[key] for key in truth)
@@ -413,7 +416,7 @@ def test_linkage_attack_on_real_rounds() -> None:
 
 def test_padding_hides_sizes_and_no_reply_tells_them() -> None:
     strategy, grid, nodes = run_secure_round("after", num_nodes=4, pad=True, max_layers=6)
-    assert len({relay.nbytes for relay in strategy.secure.trace}) == 1  # every ciphertext one size
+    assert len({relay.nbytes for relay in strategy.driver.relay.trace}) == 1  # every ciphertext one size
     uploads = {grid.keys[n]: m for n, m in strategy._test_uploads.items()}
     assert multiset(uploads.values()) == multiset(nodes.trained.values())
     # no reply carries what the padding hides (a node's count of padding bytes would give the
@@ -422,4 +425,4 @@ def test_padding_hides_sizes_and_no_reply_tells_them() -> None:
         for record in reply.content.metric_records.values():
             assert not any("padding" in key for key in record), dict(record)
     plain, _, _ = run_secure_round("after", num_nodes=4, pad=False, max_layers=6)
-    assert len({relay.nbytes for relay in plain.secure.trace}) > 1  # sizes name the layers
+    assert len({relay.nbytes for relay in plain.driver.relay.trace}) > 1  # sizes name the layers

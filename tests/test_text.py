@@ -171,7 +171,7 @@ def test_every_strategy_runs_on_both_text_tasks(tmp_path: Path) -> None:
     small = {"shakespeare": write_leaf(tmp_path / "leaf-shakespeare", shakespeare_users(3, 10)),
              "sent140": write_leaf(tmp_path / "leaf-sent140", sent140_users(3, 10))}
     presets = ["fedavg", "fedprox", "fedrl", "fedmr", "fedcross", "fedmut", "fedexp", "solo", "clusamp", "scaffold",
-               "moon", "fedgen", "fedasam", "feddyn", "fedbuff", "fedmr_async", "fedcross_async"]
+               "moon", "fedgen", "fedasam", "feddyn", "fednova", "fedbuff", "fedmr_async", "fedcross_async"]
     assert {compose([f"strategy={p}"])["strategy"]["name"] for p in presets} == set(options("strategy"))
     cfgs = []
     rounds = {preset: 2 if preset in ("scaffold", "moon", "fedgen", "feddyn") else 1 for preset in presets}

@@ -137,7 +137,7 @@ def test_runs_named_into_one_group_share_a_parent_that_ends_with_the_last(sweep:
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
         recorders.append(RunRecorder(tmp_path / name, cfg, build_trackers(cfg.tracking, tmp_path / name)))
-        recorders[-1].start(run_info(cfg, tmp_path / name))
+        recorders[-1].on_run_start(run_info(cfg, tmp_path / name))
     recorders[0].close("completed")
     client, runs = mlflow_runs(store, "grouped")
     assert sorted(runs) == ["a", "b", "lab-week-48"] and runs["lab-week-48"].info.status == "RUNNING"
@@ -266,8 +266,8 @@ def test_a_tracker_that_fails_mid_run_is_dropped_with_one_warning(sweep: dict, t
     tracker, run = MlflowTracker(settings), tmp_path / "run"
     run.mkdir()
     recorder = RunRecorder(run, {"seed": 0}, [tracker, CsvTracker(run)])
-    recorder.start(RunInfo(run_dir=run, name="run", config={"seed": 0}, tags={}))
-    recorder.log_metrics({"round": 0, "accuracy": 0.1, "loss": 2.3})
+    recorder.on_run_start(RunInfo(run_dir=run, name="run", config={"seed": 0}, tags={}))
+    recorder.on_metrics({"round": 0, "accuracy": 0.1, "loss": 2.3})
     with socket.socket() as s:  # a port nothing listens on: the server is gone
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -278,7 +278,7 @@ def test_a_tracker_that_fails_mid_run_is_dropped_with_one_warning(sweep: dict, t
     logging.getLogger("flwr").addHandler(handler)
     try:
         for rnd in (1, 2):
-            recorder.log_metrics({"round": rnd, "accuracy": 0.5, "loss": 1.0})
+            recorder.on_metrics({"round": rnd, "accuracy": 0.5, "loss": 1.0})
         recorder.close("completed")
     finally:
         logging.getLogger("flwr").removeHandler(handler)
