@@ -23,8 +23,10 @@ from fedmm.config import CONF_DIR, GROUPS, options
 from fedmm.settings import Settings
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "settings.md"
-#: The order of the groups on the page (the run-level keys first).
-ORDER = ("run", "strategy", "objective", "selection", "training", "dataset", "partition", "model", "simulation")
+#: The groups that come first on the page, in this order (the run-level keys first); every other
+#: group of :data:`fedmm.config.GROUPS` follows, so a new group is never left out.
+FIRST = ("run", "strategy", "server_optimizer", "objective", "selection", "training", "dataset", "partition", "model")
+ORDER = (*FIRST, *(g for g in GROUPS if g not in FIRST))
 
 
 def _value(value: object) -> str:

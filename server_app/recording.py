@@ -29,15 +29,15 @@ from fedmm.results import CONFIG_FILE, METRICS_FILE, json_safe
 from server_app.tracking import BACKENDS, FINAL_FILES, RunInfo, Tracker, round_scalars
 
 
-def run_dir_name(cfg: Any, simulation: bool = True) -> str:
+def run_dir_name(run: Any, simulation: bool = True) -> str:
     """``<timestamp>_<strategy>[+objective]_<dataset>_<partition>_s<seed>`` in simulation;
     ``<timestamp>_<strategy>[+objective]_<dataset>_deployment_s<seed>`` in deployment, where
     each SuperNode trains on its own data and the config's partition is not used."""
     stamp = dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
-    objective = cfg.objective.name
-    method = cfg.strategy.name + ("" if objective == "ce" else f"+{objective}")
-    split = cfg.partition.name if simulation else "deployment"
-    return f"{stamp}_{method}_{cfg.dataset.name}_{split}_s{cfg.seed}"
+    objective = run.objective.name
+    method = run.strategy.name + ("" if objective == "ce" else f"+{objective}")
+    split = run.partition.name if simulation else "deployment"
+    return f"{stamp}_{method}_{run.dataset.name}_{split}_s{run.seed}"
 
 
 def _ours_before_start(entry: Path) -> bool:
@@ -47,13 +47,13 @@ def _ours_before_start(entry: Path) -> bool:
     return entry.name in (".hydra", "config.yaml", "summary.json", ".fedmm.lock") or entry.suffix == ".log"
 
 
-def create_run_dir(cfg: Any, simulation: bool = True) -> Path:
+def create_run_dir(run: Any, simulation: bool = True) -> Path:
     """Create the run's directory (absolute). Never reuses a directory that holds a run.
 
     Without ``output_dir`` it is a new folder under ``results_root`` named by
     :func:`run_dir_name` (``simulation``: as there)."""
-    if cfg.output_dir:
-        path = Path(os.path.expanduser(str(cfg.output_dir))).resolve()
+    if run.output_dir:
+        path = Path(os.path.expanduser(str(run.output_dir))).resolve()
         if (path / METRICS_FILE).exists():
             raise ConfigError("output_dir", str(path), "a directory that does not already hold a run's metrics.jsonl (to continue that run: resume=<dir>)")
         if path.exists() and not path.is_dir():
@@ -64,9 +64,9 @@ def create_run_dir(cfg: Any, simulation: bool = True) -> Path:
                               f"{f' and {len(foreign) - 1} more' if len(foreign) > 1 else ''}: a run writes and replaces files there)")
         path.mkdir(parents=True, exist_ok=True)
         return path
-    root = Path(os.path.expanduser(str(cfg.results_root))).resolve()
+    root = Path(os.path.expanduser(str(run.results_root))).resolve()
     root.mkdir(parents=True, exist_ok=True)
-    base = run_dir_name(cfg, simulation)
+    base = run_dir_name(run, simulation)
     for attempt in range(1000):
         path = root / (base if attempt == 0 else f"{base}-{attempt}")
         try:
@@ -207,12 +207,12 @@ class RunRecorder(RunObserver):
     A tracker that fails after :meth:`on_run_start` is dropped with one warning; the run goes on.
     """
 
-    def __init__(self, path: Path, cfg: Mapping[str, Any], trackers: Sequence[Tracker] | None = None) -> None:
+    def __init__(self, path: Path, run: Mapping[str, Any], trackers: Sequence[Tracker] | None = None) -> None:
         self.path = path
         self.history: list[dict[str, Any]] = []
         self.federated: dict[int, dict[str, float]] = {}
         self.trackers: list[Tracker] = list(trackers) if trackers is not None else [TensorBoardTracker(path), CsvTracker(path)]
-        write_atomic(path / CONFIG_FILE, yaml.safe_dump(cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg), sort_keys=False))
+        write_atomic(path / CONFIG_FILE, yaml.safe_dump(run.to_dict() if hasattr(run, "to_dict") else dict(run), sort_keys=False))
 
     def on_run_start(self, info: RunInfo) -> None:
         """Start every tracker; an error (a store that does not open) fails the run before its first round."""

@@ -182,49 +182,49 @@ def run_experiment(grid: Grid, settings: RunSettings | Mapping[str, Any], simula
     besides its record, trackers and checkpoints (:mod:`fedmm.observers`).
     """
     # the federation's size is settled first, then the settings are validated once (read-only from then on)
-    cfg = validate(fit_federation_size(settings, grid, expected=num_supernodes) if simulation else settings)
-    checkpoint = load_checkpoint(cfg.resume) if cfg.resume else None
+    run = validate(fit_federation_size(settings, grid, expected=num_supernodes) if simulation else settings)
+    checkpoint = load_checkpoint(run.resume) if run.resume else None
     if checkpoint is not None:  # its settings are the run's own (resume_config), output_dir its directory
-        run_dir = Path(cfg.resume).expanduser().resolve()
+        run_dir = Path(run.resume).expanduser().resolve()
         done = int(checkpoint["round"])
-        if done >= cfg.num_rounds:
-            raise ConfigError("num_rounds", cfg.num_rounds, f"more than the {done} rounds the run in {run_dir} has finished, to continue it")
+        if done >= run.num_rounds:
+            raise ConfigError("num_rounds", run.num_rounds, f"more than the {done} rounds the run in {run_dir} has finished, to continue it")
     else:
-        run_dir = create_run_dir(cfg, simulation)
+        run_dir = create_run_dir(run, simulation)
     log(INFO, "fedmm run directory: %s", run_dir)
     lock = RunLock(run_dir)  # a second run in this directory is refused while this one runs
     try:
-        return run_locked(grid, cfg, run_dir, checkpoint, simulation, observers)
+        return run_locked(grid, run, run_dir, checkpoint, simulation, observers)
     finally:
         lock.release()
 
 
-def run_locked(grid: Grid, cfg: RunSettings, run_dir: Path, checkpoint: dict[str, Any] | None, simulation: bool,
+def run_locked(grid: Grid, run: RunSettings, run_dir: Path, checkpoint: dict[str, Any] | None, simulation: bool,
                observers: Iterable[RunObserver] = ()) -> Path:
     """The run in ``run_dir``, its lock held: set-up, the rounds, the final files. Its record
     (:class:`~server_app.recording.RunRecorder` with its trackers), its checkpoints
     (:class:`~server_app.checkpoint.Checkpointer`) and ``observers`` see it through one interface."""
-    recorder = RunRecorder(run_dir, cfg, build_trackers(cfg.tracking, run_dir))
+    recorder = RunRecorder(run_dir, run, build_trackers(run.tracking, run_dir))
     watchers = Observers([recorder, *observers])
     counting = CountingGrid(grid)
-    num_rounds = cfg.num_rounds
+    num_rounds = run.num_rounds
     t0 = time.perf_counter()
     done = 0 if checkpoint is None else int(checkpoint["round"])
     checkpoints: Checkpointer | None = None
     status: dict[str, Any] = {"status": "failed", "reason": "the run stopped before its first round"}
     try:
-        watchers.on_run_start(run_info(cfg, run_dir, simulation, resumed_at=None if checkpoint is None else done + 1))
-        seed_everything(cfg.seed)
+        watchers.on_run_start(run_info(run, run_dir, simulation, resumed_at=None if checkpoint is None else done + 1))
+        seed_everything(run.seed)
 
-        d = cfg.dataset
+        d = run.dataset
         train, test = load_dataset(d)
         if simulation and checkpoint is None:
-            parts = partition_indices(train, cfg.partition, cfg.num_clients, cfg.seed)
+            parts = partition_indices(train, run.partition, run.num_clients, run.seed)
             hist = label_histograms(train.y.numpy(), parts, d.num_classes)
             recorder.write_json("label_histograms.json", hist.tolist())
             plot_label_histograms(hist, run_dir / "label_histograms.png")
 
-        model = model_for(cfg, input_spec(d))
+        model = model_for(run, input_spec(d))
         if getattr(d, "embeddings_path", None):  # Sent140: pre-trained word vectors into the initial model's embedding
             from fedmm.data.sources import vocabulary
             from fedmm.data.text import load_glove
@@ -234,10 +234,10 @@ def run_locked(grid: Grid, cfg: RunSettings, run_dir: Path, checkpoint: dict[str
             with torch.no_grad():
                 table[: len(vectors)] = torch.from_numpy(vectors[: len(table)])
             log(INFO, "fedmm: %d of %d vocabulary words initialised from %s", found, len(vectors) - 2, d.embeddings_path)
-        strategy = build_strategy(cfg, watchers)
-        device = resolve_device(cfg.training.device)
-        eval_every = cfg.eval_every
-        checkpoint_every = cfg.checkpoint_every
+        strategy = build_strategy(run, watchers)
+        device = resolve_device(run.training.device)
+        eval_every = run.eval_every
+        checkpoint_every = run.checkpoint_every
         start_round, seconds_before = 1, 0.0
         if checkpoint is not None:
             strategy.load_state_dict(checkpoint["strategy"])
@@ -305,17 +305,17 @@ def run_locked(grid: Grid, cfg: RunSettings, run_dir: Path, checkpoint: dict[str
             )
             return MetricRecord({"accuracy": metrics["accuracy"], "loss": metrics["loss"]})
 
-        run_config = ConfigRecord({protocol.RUN_CONFIG: protocol.run_config_record(cfg)})
+        run_config = ConfigRecord({protocol.RUN_CONFIG: protocol.run_config_record(run)})
         result = strategy.start(
             grid=counting,
             initial_arrays=ArrayRecord(model.state_dict()),
             num_rounds=num_rounds,
-            timeout=float(cfg.round_timeout),
+            timeout=float(run.round_timeout),
             train_config=run_config,
             evaluate_config=run_config,
             evaluate_fn=central_evaluate,
             start_round=start_round,
-            max_failed_rounds=cfg.max_failed_rounds or None,
+            max_failed_rounds=run.max_failed_rounds or None,
             final_report=False,  # the run directory holds the results
             return_models=False,  # written from the strategy's pool below (no second copy)
         )
@@ -361,7 +361,7 @@ def run_locked(grid: Grid, cfg: RunSettings, run_dir: Path, checkpoint: dict[str
                 },
             )
             if recorder.history:
-                recorder.plot_learning_curve(plot_title(cfg, simulation))
+                recorder.plot_learning_curve(plot_title(run, simulation))
         finally:  # the trackers last: they keep summary.json and the plot
             watchers.on_run_end(status["status"], status.get("reason", ""), recorder.final_files())
     log(INFO, "fedmm results written to: %s", run_dir)

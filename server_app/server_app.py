@@ -58,13 +58,13 @@ def main(grid: Grid, context: Context) -> None:
     simulation = is_simulation(grid)
     try:
         run_config = on_flowers_engine(context.run_config) if simulation else context.run_config
-        cfg = compose_from_run_config(run_config)
+        run = compose_from_run_config(run_config)
     except ConfigError as err:
         log(ERROR, "%s", err)  # one clear line before Flower's own report of the failed run
         raise
     if not simulation:
         log(INFO, "fedmm: deployment runtime: each SuperNode trains on its own data-path; no partitions.")
-    run_experiment(grid, cfg, simulation=simulation)
+    run_experiment(grid, run, simulation=simulation)
 
 
 def on_flowers_engine(run_config: Mapping[str, Any]) -> dict[str, Any]:

@@ -64,16 +64,16 @@ class RunInfo:
     resumed_at: int | None = None  #: the first round of a resumed run
 
 
-def run_info(cfg: Any, run_dir: Path, simulation: bool = True, resumed_at: int | None = None) -> RunInfo:
+def run_info(run: Any, run_dir: Path, simulation: bool = True, resumed_at: int | None = None) -> RunInfo:
     """The :class:`RunInfo` of a validated run (``simulation``: else the engine is ``deployment``)."""
-    tracking = cfg.tracking
+    tracking = run.tracking
     sweep = Path(os.path.expanduser(tracking.sweep)).resolve() if tracking.sweep else None
     group = tracking.run_group or (f"{sweep.parent.name}/{sweep.name}" if sweep is not None else None)
     key = f"run_group:{group}" if tracking.run_group else f"sweep:{sweep}" if sweep is not None else None
-    tags = {"strategy": cfg.strategy.name, "objective": cfg.objective.name, "dataset": cfg.dataset.name,
-            "partition": cfg.partition.name if simulation else "deployment", "seed": str(cfg.seed),
-            "engine": cfg.simulation.engine if simulation else "deployment"}
-    return RunInfo(run_dir=Path(run_dir), name=Path(run_dir).name, config=cfg.to_dict(), tags=tags, group=group,
+    tags = {"strategy": run.strategy.name, "objective": run.objective.name, "dataset": run.dataset.name,
+            "partition": run.partition.name if simulation else "deployment", "seed": str(run.seed),
+            "engine": run.simulation.engine if simulation else "deployment"}
+    return RunInfo(run_dir=Path(run_dir), name=Path(run_dir).name, config=run.to_dict(), tags=tags, group=group,
                    group_key=key, sweep=sweep, resumed_at=resumed_at)
 
 

@@ -60,8 +60,8 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *methods()})
 
 
-def build_strategy(cfg: Any, observers: Iterable[RunObserver] = ()) -> Strategy:
+def build_strategy(config: Any, observers: Iterable[RunObserver] = ()) -> Strategy:
     """The strategy that ``strategy.name`` selects, with its client selector, its clock's work
-    model and the roster query (``cfg``: run settings or a plain config), seen by ``observers``."""
-    run = as_run(cfg)
+    model and the roster query (``config``: run settings, or a plain config to validate), seen by ``observers``."""
+    run = as_run(config)
     return run.strategy.strategy_class.from_settings(run, observers)

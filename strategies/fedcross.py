@@ -60,7 +60,7 @@ class FedCross(MultiModel):
 
     Parameters
     ----------
-    num_models, seed, fraction_evaluate, selector
+    clients_per_round, seed, fraction_evaluate, selector
         See :class:`~strategies.multimodel.MultiModel`.
     alpha : float
         Fusion weight of the model itself (paper: 0.99).
@@ -83,9 +83,9 @@ class FedCross(MultiModel):
 
     Settings = FedCrossSettings
 
-    def __init__(self, num_models: int, seed: int, fraction_evaluate: float | None = None,
+    def __init__(self, clients_per_round: int, seed: int, fraction_evaluate: float | None = None,
                  selector: ClientSelector | None = None, **settings: Any) -> None:
-        super().__init__(num_models, seed, fraction_evaluate, selector, **settings)
+        super().__init__(clients_per_round, seed, fraction_evaluate, selector, **settings)
         self.last_alpha: float | None = None
 
     def alpha_at(self, server_round: int) -> float:

@@ -54,7 +54,7 @@ class FedMR(MultiModel):
 
     Parameters
     ----------
-    num_models, seed, fraction_evaluate, selector
+    clients_per_round, seed, fraction_evaluate, selector
         See :class:`~strategies.multimodel.MultiModel`.
     first_stage_rounds : int
         Rounds of plain aggregation before recombination starts (two-stage training).
@@ -71,11 +71,11 @@ class FedMR(MultiModel):
 
     Settings = FedMRSettings
 
-    def __init__(self, num_models: int, seed: int, fraction_evaluate: float | None = None,
+    def __init__(self, clients_per_round: int, seed: int, fraction_evaluate: float | None = None,
                  selector: ClientSelector | None = None, secure: SecureRecombination | None = None, **settings: Any) -> None:
         if secure is not None:  # a relay given as an object: its settings are the method's
             settings["secure"] = secure.settings()
-        super().__init__(num_models, seed, fraction_evaluate, selector, **settings)
+        super().__init__(clients_per_round, seed, fraction_evaluate, selector, **settings)
         self.segments = segments_for_ratio(self.settings.partition_ratio)
 
     @classmethod

@@ -36,7 +36,7 @@ class FedMut(MultiModel):
 
     Parameters
     ----------
-    num_models, seed, fraction_evaluate, selector
+    clients_per_round, seed, fraction_evaluate, selector
         See :class:`~strategies.multimodel.MultiModel`.
     radius : float
         Mutation radius: how far along ±Δ the models are placed.

@@ -65,9 +65,8 @@ class MultiModel(Method):
 
     Parameters
     ----------
-    num_models : int
-        K: models kept on the server, and clients selected per round (the strategy's
-        ``clients_per_round``; a Flower app names it by what it keeps).
+    clients_per_round : int
+        K: clients selected per round, and models kept on the server (one per selected client).
     seed, fraction_evaluate, selector, settings, changes
         See :class:`~strategies.base.FedmmStrategy`.
     """
@@ -79,11 +78,9 @@ class MultiModel(Method):
     #: busy cores, but ~1.7·10¹¹ for K = 100 VGG-16s). False: skip it.
     log_model_cosine = True
 
-    def __init__(self, num_models: int, seed: int, fraction_evaluate: float | None = None, selector: ClientSelector | None = None,
-                 **settings: Any) -> None:
-        if num_models < 1:
-            raise ValueError(f"num_models must be >= 1, got {num_models}")
-        super().__init__(num_models, seed, fraction_evaluate, selector, **settings)
+    def __init__(self, clients_per_round: int, seed: int, fraction_evaluate: float | None = None,
+                 selector: ClientSelector | None = None, **settings: Any) -> None:
+        super().__init__(clients_per_round, seed, fraction_evaluate, selector, **settings)
         self.round_mean: ModelDict | None = None  # set while update_models runs
 
     # ------------------------------------------------------------------ the method's operation

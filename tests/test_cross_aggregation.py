@@ -155,7 +155,7 @@ def node(msg, key):
 
 def test_fedcross_strategy_round_with_a_failing_client() -> None:
     k = 4
-    strategy = FedCross(num_models=k, seed=0, alpha=0.9, selection="in-order")
+    strategy = FedCross(clients_per_round=k, seed=0, alpha=0.9, selection="in-order")
     grid = FakeGrid(node, num_nodes=k)
     init = model_to_record({"w": np.zeros(3, np.float32)})
     msgs = list(strategy.configure_train(1, init, ConfigRecord(), grid))
@@ -171,7 +171,7 @@ def test_fedcross_strategy_round_with_a_failing_client() -> None:
 
 
 def test_fedcross_phases() -> None:
-    strategy = FedCross(num_models=3, seed=0, alpha=0.99, first_stage_rounds=1, propeller_rounds=1, dynamic_alpha_rounds=2)
+    strategy = FedCross(clients_per_round=3, seed=0, alpha=0.99, first_stage_rounds=1, propeller_rounds=1, dynamic_alpha_rounds=2)
     models = [{"w": np.array([float(i)])} for i in range(3)]
     out = strategy.update_models(1, models, [0, 1, 2])
     assert all(m["w"][0] == 1.0 for m in out)  # stage 1: reset to the mean

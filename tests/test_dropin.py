@@ -77,8 +77,8 @@ def quickstart_runs() -> dict:
     def main(grid: Grid, context: Context) -> None:
         torch.manual_seed(0)
         initial = ArrayRecord(Net().state_dict())
-        for name, strategy in (("fedmr", FedMR(num_models=K, seed=0, fraction_evaluate=0.5, evaluate_models=True)),
-                               ("fedcross", FedCross(num_models=K, seed=0, alpha=0.9, fraction_evaluate=0.5))):
+        for name, strategy in (("fedmr", FedMR(clients_per_round=K, seed=0, fraction_evaluate=0.5, evaluate_models=True)),
+                               ("fedcross", FedCross(clients_per_round=K, seed=0, alpha=0.9, fraction_evaluate=0.5))):
             spy = SpyGrid(grid)
             capture = Capture()
             logging.getLogger("flwr").addHandler(capture)
@@ -181,16 +181,16 @@ def test_flowers_record_keys_and_aggregation_functions_are_settable() -> None:
 
     initial = {"w": np.zeros(2, np.float32)}
     grid = FakeGrid(keyed_client, num_nodes=3)
-    strategy = FedCross(num_models=2, seed=0, alpha=0.5, weighted_by_key="n", arrayrecord_key="weights",
+    strategy = FedCross(clients_per_round=2, seed=0, alpha=0.5, weighted_by_key="n", arrayrecord_key="weights",
                         configrecord_key="cfg", train_metrics_aggr_fn=aggregate)
     result = strategy.start(grid=grid, initial_arrays=protocol.model_to_record(initial), num_rounds=1, final_report=False)
     assert strategy.last_round.replies == 2 and seen == [(2, "n")]
     assert result.train_metrics_clientapp[1]["largest_n"] in (11.0, 12.0)
     assert all("weights" in m.content and "cfg" in m.content for m in grid.sent)
     # the default key would reject these replies: no 'num-examples' in them
-    plain = FedCross(num_models=2, seed=0, alpha=0.5, arrayrecord_key="weights", configrecord_key="cfg")
+    plain = FedCross(clients_per_round=2, seed=0, alpha=0.5, arrayrecord_key="weights", configrecord_key="cfg")
     plain.start(grid=FakeGrid(keyed_client, num_nodes=3), initial_arrays=protocol.model_to_record(initial), num_rounds=1,
                 final_report=False)
     assert plain.last_round.replies == 0 and all("no num-examples" in r for r in plain.last_round.rejections)
     with pytest.raises(ValueError, match="weighted_by_key"):
-        FedMR(num_models=2, seed=0, weighted_by_key="")
+        FedMR(clients_per_round=2, seed=0, weighted_by_key="")

@@ -89,7 +89,7 @@ def test_same_seed_same_models() -> None:
 
 def test_strategy_mutates_around_the_mean_and_keeps_k_models_when_a_node_fails() -> None:
     grid = FakeGrid(trainer, num_nodes=6, seed=0, drop={"partition:000000002"})
-    strategy = FedMut(num_models=4, seed=0, radius=2.0, acc_rate=0.3, bound=50)
+    strategy = FedMut(clients_per_round=4, seed=0, radius=2.0, acc_rate=0.3, bound=50)
     arrays = initial()
     start = record_to_model(arrays)
     msgs = list(strategy.configure_train(1, arrays, ConfigRecord({"x": 1}), grid))

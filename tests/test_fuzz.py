@@ -210,7 +210,7 @@ def test_secure_phase_replies(action: str, field: str, value: object) -> None:
             return content
 
     secure = SecureRecombination(mode="after", repetitions=2, min_layers=1)
-    strategy = FedMR(num_models=4, seed=1, secure=secure)
+    strategy = FedMR(clients_per_round=4, seed=1, secure=secure)
     holder: dict = {}
     grid = RecordingGrid(lambda msg, key: holder["nodes"](msg, key), num_nodes=4, seed=1)
     holder["nodes"] = Hostile(grid.keys)

@@ -39,7 +39,7 @@ def run_round(strategy, grid, rnd, arrays=None):
 
 
 def test_replies_map_back_by_message_id_not_arrival_order() -> None:
-    strategy = MultiModel(num_models=K, seed=0)  # update_models = identity
+    strategy = MultiModel(clients_per_round=K, seed=0)  # update_models = identity
     grid = FakeGrid(trainer, num_nodes=6, seed=3)  # replies arrive shuffled
     msgs, sent, keys, _, _ = run_round(strategy, grid, 1)
     for i in range(K):
@@ -51,7 +51,7 @@ def test_replies_map_back_by_message_id_not_arrival_order() -> None:
 
 
 def test_global_model_is_unweighted_mean_of_the_k_models() -> None:
-    strategy = MultiModel(num_models=K, seed=0)
+    strategy = MultiModel(clients_per_round=K, seed=0)
     grid = FakeGrid(trainer, num_nodes=K)
     _, _, keys, global_model, metrics = run_round(strategy, grid, 1)
     expected = np.mean([partition(k) + 1 for k in keys])
@@ -80,7 +80,7 @@ def test_a_failed_or_invalid_reply_keeps_the_model_it_was_given(failure: str) ->
             model["extra"] = np.zeros(1, np.float32)
         return RecordDict({"arrays": model_to_record(model), "metrics": MetricRecord({"num-examples": 1.0})})
 
-    strategy = MultiModel(num_models=K, seed=0)
+    strategy = MultiModel(clients_per_round=K, seed=0)
     grid = FakeGrid(node, num_nodes=K, drop=[bad] if failure == "timeout" else [])
     _, sent, keys, _, metrics = run_round(strategy, grid, 1)
     assert len(strategy.models) == K
@@ -92,7 +92,7 @@ def test_a_failed_or_invalid_reply_keeps_the_model_it_was_given(failure: str) ->
 
 
 def test_fedmr_stage_one_sends_identical_models_then_pairwise_different() -> None:
-    strategy = FedMR(num_models=K, seed=0, first_stage_rounds=2)
+    strategy = FedMR(clients_per_round=K, seed=0, first_stage_rounds=2)
     grid = FakeGrid(trainer, num_nodes=8)
     arrays = initial()
     sent_by_round = []
@@ -112,7 +112,7 @@ def test_fedmr_stage_one_sends_identical_models_then_pairwise_different() -> Non
 
 
 def test_fedmr_recombination_keeps_the_mean() -> None:
-    strategy = FedMR(num_models=K, seed=0)
+    strategy = FedMR(clients_per_round=K, seed=0)
     grid = FakeGrid(trainer, num_nodes=K)
     _, _, _, global_model, _ = run_round(strategy, grid, 1)
     recombined_mean = np.mean([m["b.weight"] for m in strategy.models], axis=0)
@@ -121,7 +121,7 @@ def test_fedmr_recombination_keeps_the_mean() -> None:
 
 def test_fedmr_same_seed_same_models() -> None:
     def run(seed):
-        strategy = FedMR(num_models=K, seed=seed)
+        strategy = FedMR(clients_per_round=K, seed=seed)
         grid = FakeGrid(trainer, num_nodes=8, seed=seed + 10)
         arrays = initial()
         for rnd in (1, 2, 3):
@@ -141,7 +141,7 @@ def test_federated_evaluation_goes_to_a_seeded_fraction_and_is_example_weighted(
         p = partition(key)
         return RecordDict({"metrics": MetricRecord({"accuracy": p / 10, "num-examples": float(p + 1)})})
 
-    strategy = FedMR(num_models=2, seed=0, fraction_evaluate=0.5)
+    strategy = FedMR(clients_per_round=2, seed=0, fraction_evaluate=0.5)
     grid = FakeGrid(evaluator, num_nodes=4)
     msgs = strategy.configure_evaluate(1, initial(), ConfigRecord(), grid)
     assert len(msgs) == 2 and all(m.metadata.message_type == MessageType.EVALUATE for m in msgs)
@@ -149,4 +149,4 @@ def test_federated_evaluation_goes_to_a_seeded_fraction_and_is_example_weighted(
     metrics = strategy.aggregate_evaluate(1, grid.send_and_receive(msgs))
     expected = sum((p / 10) * (p + 1) for p in keys) / sum(p + 1 for p in keys)
     assert metrics["accuracy"] == pytest.approx(expected)
-    assert FedMR(num_models=2, seed=0).configure_evaluate(1, initial(), ConfigRecord(), grid) == []
+    assert FedMR(clients_per_round=2, seed=0).configure_evaluate(1, initial(), ConfigRecord(), grid) == []

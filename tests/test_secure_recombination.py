@@ -73,7 +73,7 @@ def run_secure_round(mode: str, num_nodes: int = 5, seed: int = 1, fail=None, **
     """One FedMR round with secure recombination on a fake grid; returns (strategy, grid, nodes)."""
     secure = SecureRecombination(mode=mode, **{"repetitions": 2, "min_layers": 1, **secure_kwargs})
     uploads = Uploads()
-    strategy = FedMR(num_models=num_nodes, seed=seed, secure=secure, observers=[uploads])
+    strategy = FedMR(clients_per_round=num_nodes, seed=seed, secure=secure, observers=[uploads])
     strategy._test_uploads = uploads.by_node
     holder: dict[str, Nodes] = {}
     grid = RecordingGrid(lambda msg, key: holder["nodes"](msg, key), num_nodes=num_nodes, seed=seed)
