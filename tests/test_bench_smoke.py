@@ -164,3 +164,24 @@ def test_the_scale_bench_splits_the_rest_by_the_allocator_and_the_mapped_files()
     assert live == {"live_peak_above_r0_models": 10.0, "live_peak_app_models": 5.0, "live_peak_store_models": 2.0,
                     "live_peak_other_models": 3.0, "live_peak_where": "x.py:1 f"}
     assert bench.rest_parts(SimpleNamespace(at_server_peak={"app": 1}, server_rss_r0_parts={}), 100) == {}
+
+
+def test_the_run_config_blob_bench_measures_the_message_the_runner_sends() -> None:
+    """bench/run_config_blob.py: the blob's bytes are the difference it makes to a train message
+    (plus its framing), the named values carry the same settings, and a cold read gives the
+    server's settings back."""
+    import importlib.util
+
+    from fedmm import protocol
+    from fedmm.config import client_run, compose
+
+    spec = importlib.util.spec_from_file_location("run_config_blob", ROOT / "bench" / "run_config_blob.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    row = bench.measure("default", [], repeat=1)
+    framing = row["message_bytes_blob"] - row["message_bytes_without"] - row["json_bytes"]
+    assert 0 < framing < 64, row
+    cfg = compose([]).to_dict()
+    named = bench.flattened(cfg)
+    assert named["training.lr"] == cfg["training"]["lr"] and len(named) == row["named_values"]
+    assert client_run(protocol.run_config_record(cfg)).to_dict() == cfg
