@@ -372,3 +372,40 @@ def test_secure_recombination_refuses_the_stage_and_keeps_the_robust_mean() -> N
         assert err.value.key == f"strategy.defence.{name.split('=')[0]}" and "strategy.secure.enabled=true" in str(err.value)
     run = compose(["strategy=fedmr", "strategy.secure.enabled=true", "strategy.defence.robust_mean=median"])
     assert run.strategy.defence.robust_mean == "median"
+
+
+def test_from_round_2_each_update_is_judged_against_the_model_its_node_was_sent() -> None:
+    """FedMR's nodes get recombined models from round 2 on, which are not the global model. Honest
+    updates under the bound pass the norm bound untouched, so two rounds with it equal two rounds
+    without; judged against the global model instead, an update (its step plus the distance of its
+    recombined model from the mean) is over the bound and would be cut."""
+    n = 12
+    steps = {"0": 5.0, "1": -5.0, "2": 5.0}  # every honest step has norm 5·√n
+    bound = 1.2 * 5.0 * np.sqrt(n)
+
+    def two_rounds(defence: list[str]) -> tuple[list[np.ndarray], list[dict[str, np.ndarray]]]:
+        sent: list[dict[str, np.ndarray]] = []
+
+        def node(msg: Message, key: str) -> RecordDict:
+            model = protocol.record_to_model(msg.content[protocol.ARRAYS], copy=True)
+            sent.append({"key": key, "round": msg.content[protocol.CONFIG][protocol.SERVER_ROUND], **model})
+            step = steps[key[-1]]
+            return RecordDict({protocol.ARRAYS: protocol.model_to_record({k: v + step for k, v in model.items()}),
+                               protocol.METRICS: MetricRecord({protocol.NUM_EXAMPLES: 10.0})})
+
+        strategy = build_strategy(compose(["strategy=fedmr", "num_clients=3", "clients_per_round=3", "seed=1", *defence]))
+        initial = {"a.weight": np.zeros(4, np.float32), "b.weight": np.zeros(4, np.float32), "c.weight": np.zeros(4, np.float32)}
+        strategy.start(FakeGrid(node, num_nodes=3), protocol.model_to_record(initial), num_rounds=2, final_report=False)
+        return [strategy.global_model[k] for k in sorted(initial)] + [m[k] for m in strategy.models for k in sorted(m)], sent
+
+    plain, sent = two_rounds([])
+    bounded, _ = two_rounds([f"strategy.defence.clip_update_norm={bound}"])
+    second = [s for s in sent if s["round"] == 2]
+    keys = ("a.weight", "b.weight", "c.weight")
+    mean = {k: np.mean([s[k] for s in second], axis=0) for k in keys}  # the global model after round 1
+    to_global = {s["key"]: np.sqrt(sum(float(np.sum((s[k] + steps[s["key"][-1]] - mean[k]) ** 2)) for k in keys))
+                 for s in second}
+    assert max(to_global.values()) > bound  # the test can tell: against the global model one update is cut
+    assert any(not np.array_equal(s["a.weight"], mean["a.weight"]) for s in second)
+    for p, b in zip(plain, bounded):
+        np.testing.assert_array_equal(p, b)
