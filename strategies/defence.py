@@ -1,8 +1,8 @@
 """Defences against hostile updates: one stage every accepted update passes through.
 
-The round loop (:meth:`strategies.base.RoundLoopStrategy.finish_train`, and the asynchronous
-loops' ``close``) hands the round's accepted updates to :meth:`Defence.screen_and_bound` with
-the model each was sent, before the method sees any of them (``on_update``, ``aggregate``).
+The end of every round (:func:`strategies.rounds.end`, whichever driver runs it) hands the
+round's accepted updates to :func:`defend` with the model each was sent, before the method sees
+any of them (its ``aggregate``).
 Every quantity is taken per update against *its own* sent model, so the K models of FedMR,
 FedCross and FedMut are defended one by one:
 

@@ -1,6 +1,6 @@
 """The evaluation half of the round loop, and the metrics of replies.
 
-:class:`FederatedEvaluation` is the part of :class:`~strategies.base.RoundLoopStrategy` that
+:class:`FederatedEvaluation` is the part of :class:`~strategies.base.FedmmStrategy` that
 evaluates: Flower's ``configure_evaluate`` / ``aggregate_evaluate`` (federated evaluation of the
 global model on a seeded ``fraction_evaluate`` of the nodes), the central evaluation of each
 round (``evaluate_fn``, also on each of the server's models with ``evaluate_models``), the models

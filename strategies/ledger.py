@@ -2,7 +2,7 @@
 
 :class:`ReplyCheck` is the one check every train reply goes through, in the synchronous rounds
 (:class:`ReplyLedger`, which the secure recombination's upload phase uses too) and in the
-asynchronous loop (:meth:`strategies.asynchronous.AsyncRoundLoop.receive`): decode and validate
+asynchronous loop (:class:`strategies.asynchronous.AsyncRound`): decode and validate
 it (:func:`fedmm.protocol.decode_train_reply`), then bound its ``num-examples`` (the node's roster
 size, else ``strategy.max_num_examples``).
 

@@ -77,7 +77,7 @@ def log_start(name: str, num_rounds: int, start_round: int, initial_arrays: Arra
 
 
 def log_summary(strategy: Any) -> None:
-    """A :class:`~strategies.base.RoundLoopStrategy`'s sampling, models, record keys and
+    """A :class:`~strategies.base.FedmmStrategy`'s sampling, models, record keys and
     settings (its ``summary``)."""
     s = strategy
     log(INFO, "\t├──> Sampling:")

@@ -57,24 +57,18 @@ def test_the_in_process_engine_trains_on_the_gpu_and_agrees_with_the_cpu(tmp_pat
 
 def test_gpu_memory_does_not_grow_from_round_to_round(tmp_path: Path) -> None:
     from fedmm.config import compose, to_container
+    from fedmm.observers import RunObserver
     from launch.cli import run_job
-    from strategies.base import RoundLoopStrategy
 
     allocated: list[int] = []
-    start = RoundLoopStrategy.run_round
 
-    def measured(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
-        out = start(self, *args, **kwargs)
-        torch.cuda.synchronize()
-        allocated.append(torch.cuda.memory_allocated())
-        return out
+    class Measured(RunObserver):
+        def on_round_end(self, server_round: int) -> None:
+            torch.cuda.synchronize()
+            allocated.append(torch.cuda.memory_allocated())
 
-    RoundLoopStrategy.run_round = measured
-    try:
-        run_job(to_container(compose(["num_rounds=5", "num_clients=4", "clients_per_round=2", "training.local_epochs=1",
-                                      "training.device=cuda", f"output_dir={tmp_path / 'run'}"])))
-    finally:
-        RoundLoopStrategy.run_round = start
+    run_job(to_container(compose(["num_rounds=5", "num_clients=4", "clients_per_round=2", "training.local_epochs=1",
+                                  "training.device=cuda", f"output_dir={tmp_path / 'run'}"])), observers=[Measured()])
     assert len(allocated) == 5
     assert max(allocated[1:]) <= allocated[1] + 8 * 2**20, allocated  # flat after the first round
 
