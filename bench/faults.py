@@ -33,6 +33,15 @@ with ``--hostile 2``) are hostile:
   the bottom-right corner and labelled 0; the row's ``backdoor_success`` is the share of the
   test images of other labels that the final model puts in class 0 once stamped.
 
+The field's attacks (byzfl's; not run unless named): ``alie`` (A Little Is Enough, Baruch et
+al. 2019: the honest mean plus 1.5 coordinate-wise standard deviations), ``ipm`` (Inner Product
+Manipulation, Xie et al. 2020: −2 × the honest mean), ``mimic`` (Karimireddy et al. 2022: a copy
+of one honest update), ``optalie`` and ``optipm`` (their factor searched against the run's
+aggregator chain). The hostile nodes collude and are omniscient, as the papers define them: each
+one's update is computed from the honest updates of the same round (:class:`CollusionGrid` holds
+the round's replies until all are in, then replaces the hostile ones), all hostile nodes send the
+same update, and only their model is attacked (SCAFFOLD's control-variate delta stays theirs).
+
 Not an attack, and not run unless named (``--attacks absent``): ``absent``, the hostile nodes'
 ClientApps raise in every round, so the server gets no reply from them: the federation without
 those nodes, measured, with no update to reject (and, defended, what the stage does to the rest).
@@ -84,6 +93,13 @@ from fedmm.observers import RunObserver  # noqa: E402
 
 FAULTS = ("fail30", "nan", "inf", "shape", "dtype", "count", "straggler")
 ATTACKS = ("scale", "flip", "freerider", "labelflip", "backdoor")
+#: The field's attacks (byzfl's classes): colluding, omniscient hostile nodes whose update is
+#: computed from the honest updates of the same round (:class:`CollusionGrid`).
+COLLUDING = {"alie": "ALittleIsEnough", "ipm": "InnerProductManipulation", "mimic": "Mimic",
+             "optalie": "Optimal_ALittleIsEnough", "optipm": "Optimal_InnerProductManipulation"}
+#: The reply metric a hostile node of a colluding attack marks its reply with (taken off before
+#: the server sees the reply).
+COLLUDING_MARK = "bench-colluding"
 #: ``--attacks absent``: the hostile nodes never answer (not among the attacks run by default).
 ABSENT = "absent"
 #: The defended rows' settings (--defence replaces them).
@@ -181,6 +197,10 @@ def faulty_client_app(partitions: dict[int, int] | None = None):  # noqa: ANN201
         attack, hostile, _ = experiment(fault)
         if attack == ABSENT and pid < hostile:
             raise RuntimeError(f"partition {pid} is absent from this experiment")
+        if attack in COLLUDING and pid < hostile:  # its update is the colluders' (CollusionGrid): marked here
+            reply = real.train(msg, context)
+            reply.content[protocol.METRICS][COLLUDING_MARK] = 1.0
+            return reply
         received = protocol.record_to_model(msg.content[protocol.ARRAYS], copy=True) if attack in ("scale", "flip", "freerider") else None
         if attack in ("labelflip", "backdoor") and pid < hostile:
             run = client_run(protocol.run_config_text(msg))
@@ -213,6 +233,102 @@ def faulty_client_app(partitions: dict[int, int] | None = None):  # noqa: ANN201
         return real.query(msg, context)
 
     return app
+
+
+def colluding_attack(name: str, hostile: int, defence: dict | None = None):  # noqa: ANN201
+    """byzfl's attack ``name`` (:data:`COLLUDING`) as a function of the honest updates (n, d) →
+    the hostile update (d,). The optimized ones search their factor against the run's aggregator
+    chain (``defence``: the run's ``strategy.defence``; the plain average when it has none), with
+    ``f`` the hostile nodes."""
+    import byzfl
+
+    cls = getattr(byzfl, COLLUDING[name])
+    if not name.startswith("opt"):
+        return cls()
+    from strategies.aggregators import byzfl_chain
+
+    if defence and defence.get("aggregator", "mean") != "mean":
+        pre, agg = byzfl_chain(defence["aggregator"], defence.get("pre_aggregators", []), max(defence.get("f", 0), hostile),
+                               defence.get("bucket_size", 2), defence.get("clip_threshold", 2.0))
+    else:
+        pre, agg = [], byzfl.Average()
+    return cls(agg=agg, pre_agg_list=pre, f=hostile)
+
+
+class CollusionGrid:
+    """A Grid between the strategy and the nodes that hands every colluding hostile node the
+    honest updates of its round: the train replies of a batch of pushed train messages are held
+    until all are in; then each reply marked by a hostile node (:data:`COLLUDING_MARK`) becomes its
+    sent model plus ``attack`` of the honest replies' updates (each reply's floating entries minus
+    the model its message carried, flattened), and all are handed over. Everything else passes.
+    The synchronous rounds only (a batch is what the round pushed): an asynchronous strategy's
+    jobs never form one."""
+
+    def __init__(self, grid, attack) -> None:  # noqa: ANN001 - a Flower Grid, a byzfl attack
+        self._grid, self.attack = grid, attack
+        self._sent: dict[str, object] = {}  # message id -> the ArrayRecord it carried
+        self._held: dict[str, object] = {}  # message id -> its reply
+        #: Every hostile update made: (round's honest updates, the attack vector), for tests.
+        self.made: list[tuple[np.ndarray, np.ndarray]] = []
+
+    def __getattr__(self, name: str):  # noqa: ANN204 - the rest of the Grid's interface
+        return getattr(self._grid, name)
+
+    def push_messages(self, messages):  # noqa: ANN001, ANN201
+        messages = list(messages)
+        ids = list(self._grid.push_messages(messages))
+        from fedmm import protocol
+
+        for msg, mid in zip(messages, ids):
+            if mid and msg.metadata.message_type == "train" and protocol.ARRAYS in msg.content:
+                self._sent[mid] = msg.content[protocol.ARRAYS]
+        return ids
+
+    def pull_messages(self, message_ids):  # noqa: ANN001, ANN201
+        out = []
+        asked = [i for i in message_ids if i not in self._held]  # a pulled reply is the grid's no more
+        for reply in self._grid.pull_messages(asked):
+            mid = reply.metadata.reply_to_message_id
+            if mid in self._sent:
+                self._held[mid] = reply
+            else:
+                out.append(reply)
+        if self._sent and set(self._held) >= set(self._sent):
+            out += self._release()
+        return out
+
+    def _release(self) -> list:
+        from fedmm import protocol
+
+        sent = {mid: protocol.record_to_model(record) for mid, record in self._sent.items()}
+        replies = dict(self._held)
+        self._sent, self._held = {}, {}
+
+        def marked(reply) -> bool:  # noqa: ANN001
+            return not reply.has_error() and COLLUDING_MARK in reply.content[protocol.METRICS]
+
+        def keys(model) -> list[str]:  # noqa: ANN001
+            return [k for k, v in model.items() if v.dtype.kind == "f"]
+
+        honest = [np.concatenate([np.ravel(np.asarray(m[k], np.float64) - sent[mid][k]) for k in keys(m)])
+                  for mid, reply in replies.items() if not reply.has_error() and not marked(reply)
+                  for m in [protocol.record_to_model(reply.content[protocol.ARRAYS])]]
+        hostile = [mid for mid, reply in replies.items() if marked(reply)]
+        if hostile and honest:
+            stack = np.stack(honest)
+            vector = np.asarray(self.attack(stack.copy()), np.float64)
+            self.made.append((stack, vector))
+            for mid in hostile:
+                reply, base = replies[mid], sent[mid]
+                out, start = dict(base), 0
+                for k in keys(base):
+                    size = base[k].size
+                    out[k] = (base[k] + vector[start:start + size].reshape(base[k].shape)).astype(base[k].dtype)
+                    start += size
+                reply.content[protocol.ARRAYS] = protocol.model_to_record(out)
+        for mid in hostile:
+            del replies[mid].content[protocol.METRICS][COLLUDING_MARK]
+        return list(replies.values())
 
 
 #: ``--screen-stats``: rows per class of the server-held balanced set whose loss each update moves.
@@ -412,8 +528,11 @@ def run_strategy(strategy: str, root: Path, attacks: tuple[str, ...] = (), hosti
         for cfg in cfgs:
             if recorder is not None:
                 recorder.begin(cfg)
+            attack, hostile_nodes, _ = experiment(Path(cfg["output_dir"]).name)
+            through = grid if attack not in COLLUDING else CollusionGrid(
+                grid, colluding_attack(attack, hostile_nodes, cfg["strategy"].get("defence")))
             try:
-                run_experiment(grid, cfg, observers=[recorder] if recorder is not None else ())
+                run_experiment(through, cfg, observers=[recorder] if recorder is not None else ())
             except Exception:  # noqa: BLE001 - the row records the status
                 pass
 
@@ -563,9 +682,10 @@ def seeds_table(files: list[str], against: str = "clean") -> tuple[str, dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--strategies", nargs="+", default=["fedavg", "fedmr", "fedcross"])
-    parser.add_argument("--attacks", nargs="*", default=None, choices=(*ATTACKS, ABSENT),
+    parser.add_argument("--attacks", nargs="*", default=None, choices=(*ATTACKS, *COLLUDING, ABSENT),
                         help=f"hostile clients, the defences off and on (no value: all of {', '.join(ATTACKS)}; "
-                             f"{ABSENT}: the hostile nodes never answer)")
+                             f"{', '.join(COLLUDING)}: byzfl's colluding attacks, computed from the round's honest "
+                             f"updates; {ABSENT}: the hostile nodes never answer)")
     parser.add_argument("--hostile", nargs="+", type=int, default=[1], help="--attacks: hostile nodes of 10 (one run each)")
     parser.add_argument("--rounds", type=int, default=20, help="--attacks: rounds per run")
     parser.add_argument("--set", nargs="*", default=[], help="--attacks: overrides of every run (e.g. training.local_epochs=1)")
@@ -591,6 +711,11 @@ def main() -> None:
         print(seeds_table(args.summarize)[0], seeds_table(args.summarize, "absent")[0], sep="\n\n")
         return
     attacks = tuple(args.attacks or ATTACKS) if args.attacks is not None else ()
+    from fedmm.config import compose
+
+    if any(a in COLLUDING for a in attacks) and any(compose([f"strategy={s}"]).strategy.strategy_class.Driver.asynchronous
+                                                     for s in args.strategies):
+        parser.error(f"{', '.join(COLLUDING)} need synchronous rounds (the colluders see the round's honest updates)")
     if args.clean_only:
         attacks = ("",)  # the clean experiment alone (see run_strategy)
     args.out = args.out or str(Path(__file__).parent / "results" / ("attacks.json" if attacks else "faults.json"))

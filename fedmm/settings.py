@@ -38,7 +38,7 @@ import difflib
 import importlib
 import math
 import pkgutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from importlib import metadata
 from typing import Any, ClassVar
@@ -211,7 +211,10 @@ class Settings:
     ``keyed`` (False for groups without a ``name`` key: ``training``, ``simulation``, or where
     ``name`` is a setting itself: ``dataset``, with ``options_for`` the names it declares),
     ``added`` (keys declared after runs were made,
-    with the value that reproduces those runs: a resumed old run gets it).
+    with the value that reproduces those runs: a resumed old run gets it), ``retired`` (keys no
+    longer declared, each with a function from its recorded value to the declared keys that do
+    what it did: ``{}`` when its value is what the defaults do; it raises a :class:`ConfigError`
+    when no declared setting does it).
     """
 
     group: ClassVar[str] = ""
@@ -219,6 +222,7 @@ class Settings:
     title: ClassVar[str] = ""
     keyed: ClassVar[bool] = True
     added: ClassVar[dict[str, Any]] = {}
+    retired: ClassVar[dict[str, Callable[[Any], dict[str, Any]]]] = {}
     options_for: ClassVar[tuple[str, ...]] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -255,6 +259,9 @@ class Settings:
         """
         values = {k: v for k, v in values.items() if not (cls.keyed and k == "name")}
         declared = {f.name: f for f in cls.settings_fields()}
+        for key in [k for k in values if k in cls.retired and k not in declared]:  # a run made before they went
+            old = values.pop(key)
+            values = {**cls.retired[key](old), **values}
         for key in values:
             if key not in declared:
                 near = difflib.get_close_matches(str(key), list(declared), n=1)
@@ -371,7 +378,7 @@ class Settings:
             if isinstance(mine, Settings):
                 parts.extend(mine.label_parts())
             elif f.metadata.get("label") and mine != getattr(default, f.name):
-                parts.append(f.metadata["label"].format(mine))
+                parts.append(f.metadata["label"].format(" + ".join(map(str, mine)) if isinstance(mine, (list, tuple)) else mine))
         return parts
 
     @property

@@ -39,27 +39,6 @@ def weighted_mean_models(models: Sequence[Mapping[str, np.ndarray]], weights: Se
     return out
 
 
-def robust_mean_models(models: Sequence[Mapping[str, np.ndarray]], how: str, trim_fraction: float = 0.1) -> ModelDict:
-    """A mean that a few hostile models cannot drag far: the coordinate-wise ``median``, or the
-    ``trimmed`` mean (each coordinate's ⌊trim_fraction·n⌋ largest and smallest values left out,
-    the rest averaged). Unweighted: example counts are what an attacker inflates."""
-    if how not in ("median", "trimmed"):
-        raise ValueError(f"robust mean {how!r}; allowed: median, trimmed")
-    n = len(models)
-    cut = int(np.floor(trim_fraction * n)) if how == "trimmed" else 0
-    if how == "trimmed" and n - 2 * cut < 1:
-        cut = (n - 1) // 2
-    out: ModelDict = {}
-    for key, first in models[0].items():
-        stack = np.stack([np.asarray(m[key], dtype=np.float64) for m in models])
-        if how == "median":
-            value = np.median(stack, axis=0)
-        else:
-            value = np.sort(stack, axis=0)[cut : n - cut].mean(axis=0)
-        out[key] = value.astype(first.dtype) if np.issubdtype(first.dtype, np.floating) else np.rint(value).astype(first.dtype)
-    return out
-
-
 def non_finite_key(model: ModelDict | None) -> str | None:
     """The first key of ``model`` holding NaN or Inf, or None."""
     for key, value in (model or {}).items():

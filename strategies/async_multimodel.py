@@ -24,12 +24,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from strategies.asynchronous import AsyncRound, buffer_setting, check_async, max_staleness_setting
+from strategies.asynchronous import AsyncRound, buffer_setting, check_async, half, max_staleness_setting
 from strategies.fedcross import FedCross, FedCrossSettings
 from strategies.fedmr import FedMR, FedMRSettings
 
 #: What B counts for the multi-model methods, and what it is half of by default.
 MODELS_BACK = ("models back (trained or failed)", "clients_per_round (K); K: the synchronous method")
+
+
+def _buffer(settings: Any, run: Any) -> int:
+    """B: the models back that end a round."""
+    return settings.buffer_size or half(run.clients_per_round)
 
 
 def _check(settings: Any, run: Any) -> None:
@@ -45,6 +50,11 @@ class FedMRAsyncSettings(FedMRSettings):
     title = "FedMR (async)"
     buffer_size: int | None = buffer_setting(*MODELS_BACK)
     max_staleness: int | None = max_staleness_setting("restart a model from the global model")
+
+    updates_named = "strategy.buffer_size"
+
+    def updates_per_round(self, run: Any) -> int:
+        return _buffer(self, run)
 
     def check(self, run: Any) -> None:
         super().check(run)
@@ -72,6 +82,11 @@ class FedCrossAsyncSettings(FedCrossSettings):
     title = "FedCross (async)"
     buffer_size: int | None = buffer_setting(*MODELS_BACK)
     max_staleness: int | None = max_staleness_setting("restart a model from the global model")
+
+    updates_named = "strategy.buffer_size"
+
+    def updates_per_round(self, run: Any) -> int:
+        return _buffer(self, run)
 
     def check(self, run: Any) -> None:
         super().check(run)

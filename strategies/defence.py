@@ -54,9 +54,17 @@ FedCross and FedMut are defended one by one:
   ten in 8 rounds, its slot rejected or not). The refilled slot is not a reply: it is not in
   the round's replies, metrics or client statistics.
 
-``robust_mean`` is the other half: the mean a method takes of client models (FedAvg's
-aggregate, the multi-model methods' global model, FedExP's, FedDyn's and SCAFFOLD's mean step,
-FedBuff's buffer) becomes a coordinate-wise median or trimmed mean (:class:`strategies.aggregators.Mean`).
+- ``krum_screen``: the f updates with the largest Krum scores are rejected (MultiKrum's
+  selection, Blanchard et al. 2017: an update's score is the sum of its squared distances to
+  its n − f − 2 nearest others). It assumes at most f hostile updates in the round and honest
+  updates closer to one another than to the hostile ones; under strong label skew an honest
+  update far from the others can be rejected in a round without any attacker (the f largest
+  are always rejected). With ``refill`` the rejected slots take the round's median update.
+
+The other half is the mean a method takes of client models (FedAvg's aggregate, the
+multi-model methods' global model, FedExP's, FedDyn's and SCAFFOLD's mean step, FedNova's, FedBuff's
+buffer): ``aggregator`` (with ``pre_aggregators`` and ``f``) makes it one of byzfl's robust
+aggregators (:class:`strategies.aggregators.Mean`).
 
 What a setting means depends on what the method holds (:attr:`strategies.method.Method.holds`),
 so what a method refuses is derived from that declaration (:func:`refused_settings`), never
@@ -78,7 +86,8 @@ import numpy as np
 
 from fedmm.errors import ConfigError
 from fedmm.protocol import ClientUpdate, ModelDict
-from fedmm.settings import Choice, Nullable, Number, Settings, setting
+from fedmm.settings import Bool, Choice, Int, ListOf, Nullable, Number, Settings, setting
+from strategies.aggregators import AGGREGATORS, PRE_AGGREGATORS, takes_f
 
 
 @dataclass
@@ -90,7 +99,10 @@ class DefenceSettings(Settings):
     keyed = False
     #: Declared after runs were made: the values that reproduce those runs (the stage off).
     added = {"adaptive_clip": None, "adaptive_clip_to": "bound", "screen": None, "sign_screen": None,
-             "norm_screen": None, "class_screen": None, "refill": "none"}
+             "norm_screen": None, "class_screen": None, "refill": "none", "krum_screen": False, "aggregator": "mean",
+             "pre_aggregators": [], "f": 0, "bucket_size": 2, "clip_threshold": 2.0}
+    #: The robust mean of our own that byzfl's aggregators replaced: what a run made with it had.
+    retired = {"robust_mean": lambda how: _retired_robust_mean(how), "trim_fraction": lambda _: {}}
     clip_update_norm: float | None = setting(None, Nullable(Number(gt=0), "null (off) or an L2 norm > 0"),
                                              "scale each update (model − the model it was sent) down to at most this L2 norm",
                                              label="update norm ≤ {}")
@@ -123,35 +135,80 @@ class DefenceSettings(Settings):
                           "coordinate-wise median of the kept updates (methods with a model per node: FedMR, "
                           "FedCross, FedMut; needs a setting that rejects: screen, sign_screen, norm_screen or "
                           "class_screen)", label="rejected: {} update")
-    robust_mean: str = setting("none", Choice("none", "median", "trimmed"),
-                               "none: the method's own mean | median: coordinate-wise | trimmed: coordinate-wise "
-                               "trimmed mean (unweighted)", label="{} mean")
-    trim_fraction: float = setting(0.1, Number(ge=0, lt=0.5), "share of each coordinate's largest and smallest values "
-                                   "left out by the trimmed mean")
+    krum_screen: bool = setting(False, Bool(), "reject the f updates with the largest Krum scores (each update's "
+                                "summed squared distance to its n - f - 2 nearest others: MultiKrum's selection, "
+                                "Blanchard et al. 2017); needs f >= 1 and n > 2f + 2 updates", label="Krum screen")
+    aggregator: str = setting("mean", Choice("mean", *AGGREGATORS),
+                              "mean: the method's own (weighted) mean | any of byzfl's robust aggregators, which "
+                              "take the place of every mean a method takes of client models (unweighted)",
+                              label="{} aggregator")
+    pre_aggregators: list[str] = setting([], ListOf(Choice(*PRE_AGGREGATORS)),
+                                         "byzfl's pre-aggregators applied in order before the aggregator: nnm "
+                                         "(nearest-neighbour mixing), bucketing, clipping, arc (adaptive robust "
+                                         "clipping); need a robust aggregator", label="{} first")
+    f: int = setting(0, Int(min=0), "hostile nodes tolerated: passed to every aggregator, pre-aggregator and "
+                     "screen that takes it; the round's updates must allow it (refused before the first round)",
+                     label="f {}")
+    bucket_size: int = setting(2, Int(min=1), "s of the bucketing pre-aggregator (needs bucketing)", label="s {}")
+    clip_threshold: float = setting(2.0, Number(gt=0), "c of the clipping pre-aggregator: the L2 bound of each "
+                                    "update (needs clipping)", label="c {}")
 
     def check_values(self, prefix: str) -> None:
-        """``adaptive_clip_to=median`` acts on the updates above the adaptive bound: it needs one."""
+        """``adaptive_clip_to=median`` acts on the updates above the adaptive bound: it needs one;
+        pre-aggregators need a robust aggregator, their parameters need them, and ``f`` something
+        that takes it."""
+        robust = self.aggregator != "mean"
+        if self.pre_aggregators and not robust:
+            raise ConfigError(f"{prefix}pre_aggregators", self.pre_aggregators, f"[] when {prefix}aggregator=mean (the "
+                              "method's own mean; choose one of byzfl's aggregators to pre-aggregate for)")
+        for name, needs, default in (("bucket_size", "bucketing", 2), ("clip_threshold", "clipping", 2.0)):
+            if getattr(self, name) != default and needs not in self.pre_aggregators:
+                raise ConfigError(f"{prefix}{name}", getattr(self, name), f"{default} unless {prefix}pre_aggregators "
+                                  f"has {needs} (the setting is its parameter)")
+        if self.f > 0 and not (self.krum_screen or takes_f(self.aggregator, self.pre_aggregators)):
+            raise ConfigError(f"{prefix}f", self.f, f"0 unless {prefix}krum_screen is on or an aggregator or "
+                              "pre-aggregator that takes f is configured (median, average, geometric_median, "
+                              "centered_clipping, bucketing and clipping do not)")
+        if self.krum_screen and self.f < 1:
+            raise ConfigError(f"{prefix}f", self.f, f"at least 1 with {prefix}krum_screen (the updates it rejects)")
         if self.adaptive_clip_to != "bound" and self.adaptive_clip is None:
             raise ConfigError(f"{prefix}adaptive_clip_to", self.adaptive_clip_to,
                               f"'bound' when {prefix}adaptive_clip is null (set an adaptive_clip for the updates it "
                               "scales down to the median norm)")
-        if self.refill != "none" and all(getattr(self, name) is None for name in REJECTING):
+        if self.refill != "none" and not any(self.on(name) for name in REJECTING):
             raise ConfigError(f"{prefix}refill", self.refill,
-                              f"'none' when {', '.join(prefix + name for name in REJECTING)} are all null "
+                              f"'none' when {', '.join(prefix + name for name in REJECTING)} are all off "
                               "(nothing is rejected, so no slot is refilled)")
 
     @property
     def stage_on(self) -> bool:
         """Whether the per-update stage does anything."""
-        return any(getattr(self, name) is not None for name in SWITCHES)
+        return any(self.on(name) for name in SWITCHES)
+
+    def on(self, name: str) -> bool:
+        """Whether the stage's setting ``name`` is on (not null, not false)."""
+        value = getattr(self, name)
+        return value is not None and value is not False
+
+
+def _retired_robust_mean(how: str) -> dict[str, object]:
+    """``robust_mean`` of a run made before byzfl's aggregators: none and median carry over;
+    our trimmed mean cut a share of each coordinate's values, which no fixed ``f`` is."""
+    if how == "none":
+        return {}
+    if how == "median":
+        return {"aggregator": "median"}
+    raise ConfigError("strategy.defence.robust_mean", how, "none or median (retired: byzfl's aggregators replaced it; "
+                      "for the trimmed mean set strategy.defence.aggregator=trmean with strategy.defence.f = the values "
+                      "left out at each end, the run's trim_fraction × clients_per_round rounded down)")
 
 
 #: The stage's settings that reject updates, and all that turn it on (null: off).
-REJECTING = ("screen", "sign_screen", "norm_screen", "class_screen")
+REJECTING = ("screen", "sign_screen", "norm_screen", "class_screen", "krum_screen")
 SWITCHES = ("clip_update_norm", "adaptive_clip", *REJECTING)
 #: The stage's settings (those acting on each update, before the method), and the mean's.
 STAGE = (*SWITCHES, "adaptive_clip_to", "refill")
-MEAN = ("robust_mean",)
+MEAN = ("aggregator", "pre_aggregators", "bucket_size", "clip_threshold")
 #: What a method holds (:attr:`strategies.method.Method.holds`): one model sent to every node; a
 #: model per node of the round (K models, model i to the i-th node); a model per client (SOLO).
 ONE_MODEL, PER_NODE, PER_CLIENT = "one model", "a model per node", "a model per client"
@@ -167,7 +224,7 @@ def refused_settings(holds: str, secure: bool = False) -> dict[str, str]:
     if secure:
         refused.update(dict.fromkeys(STAGE, "with strategy.secure.enabled=true each upload is recombined from layers of "
                                      "other clients' models, not an update of the model the server sent that node; "
-                                     "robust_mean still applies"))
+                                     "the aggregator still applies"))
     if holds == ONE_MODEL:
         refused.setdefault("refill", "the method takes one mean of the kept updates, which a rejected node is simply "
                                      "left out of; refill is for a method that keeps a model per node")
@@ -262,6 +319,23 @@ def class_agreement(rows: np.ndarray, bias: np.ndarray) -> np.ndarray:
     return np.divide(total, weight, out=np.full(n, np.nan), where=weight > 0)
 
 
+def krum_scores(deltas: list[dict[str, np.ndarray]], keys: list[str], f: int) -> np.ndarray | None:
+    """Each update's Krum score (Blanchard et al., NeurIPS 2017): the sum of its squared
+    distances to its n − f − 2 nearest other updates; None when the round has fewer than f + 3
+    updates (no neighbour left to score by)."""
+    n = len(deltas)
+    if n < f + 3:
+        return None
+    gram = np.zeros((n, n))
+    for k in keys:
+        flat = np.stack([np.ravel(d[k]) for d in deltas])
+        gram += flat @ flat.T
+    sq = np.diag(gram)
+    distances = np.maximum(sq[:, None] + sq[None, :] - 2 * gram, 0.0)
+    np.fill_diagonal(distances, np.inf)
+    return np.sort(distances, axis=1)[:, : n - f - 2].sum(axis=1)
+
+
 class Defence:
     """The per-update stage of :class:`DefenceSettings` (module docstring)."""
 
@@ -279,7 +353,7 @@ class Defence:
         norms = np.array([np.sqrt(sum(float(np.vdot(d[k], d[k])) for k in keys)) for d in deltas])
         verdict = Verdict([], log={"largest_update_norm": float(norms.max())})
         keep = np.ones(len(updates), bool)
-        if any(getattr(s, name) is not None for name in REJECTING) and len(updates) >= 3:
+        if any(s.on(name) for name in REJECTING) and len(updates) >= 3:
             self._screen(updates, deltas, norms, keys, keep, verdict)
         bound = target = np.inf
         if s.clip_update_norm is not None:
@@ -344,6 +418,14 @@ class Defence:
             tests.append(("class_screen", agreement <= s.class_screen,  # NaN (nothing to compare) is kept
                           [f"class agreement {a:.3f} with the other updates raising its classes is at most "
                            f"{s.class_screen:g}" for a in agreement]))
+        if s.krum_screen:
+            scores = krum_scores(deltas, keys, s.f)
+            if scores is not None:
+                verdict.scores["krum_score"] = scores
+                worst = np.zeros(len(deltas), bool)
+                worst[np.argsort(scores, kind="stable")[len(deltas) - s.f:]] = True
+                tests.append(("krum_screen", worst, [f"Krum score {v:.3g} is among the round's {s.f} largest (median "
+                                                     f"{float(np.median(scores)):.3g})" for v in scores]))
         for name, out, reasons in tests:
             for i in np.flatnonzero(keep & out):
                 keep[i] = False

@@ -54,7 +54,7 @@ def fedexp_step(
     """(next global model, η_g) from the current global model and the trained models.
 
     ``mean``: the mean of ``models`` the run takes (default: their weighted mean). ``robust``:
-    it is a robust mean (``strategy.defence.robust_mean``); A is then the median of the ‖Δ_i‖²,
+    it is a robust mean (``strategy.defence.aggregator``); A is then the median of the ‖Δ_i‖²,
     which one client cannot inflate."""
     mean = weighted_mean_models(models, weights) if mean is None else mean  # w + Δ̄ for every entry
     params = [key for key, value in current.items() if not is_buffer(key, value)]

@@ -27,7 +27,7 @@ from fedmm.errors import ConfigError
 from fedmm.protocol import ClientUpdate, ModelDict
 from fedmm.settings import Choice, Int, Nullable, Number, setting
 from strategies.aggregators import Mean
-from strategies.asynchronous import AsyncRound, buffer_setting, check_async, max_staleness_setting
+from strategies.asynchronous import AsyncRound, buffer_setting, check_async, half, max_staleness_setting
 from strategies.method import Method
 from strategies.strategy_settings import StrategySettings
 
@@ -74,6 +74,12 @@ class FedBuffSettings(StrategySettings):
                                     paper="1/sqrt(1 + staleness)", label="staleness weight {}")
     max_staleness: int | None = max_staleness_setting("drop an update")
 
+    updates_named = "strategy.buffer_size"
+
+    def updates_per_round(self, run: Any) -> int:
+        """B: the accepted updates of a round."""
+        return self.buffer_size or half(self.concurrency or run.clients_per_round)
+
     def check(self, run: Any) -> None:
         """The async rules; C at most the clients."""
         super().check(run)
@@ -106,7 +112,7 @@ class FedBuff(Method):
         weights = [staleness_weight(u.staleness, self.settings.staleness_weight) for u in updates]
         if mean.robust:
             scaled = [add_update(None, u.model, u.sent, w) for u, w in zip(updates, weights)]
-            step = server_step(self.models[0], mean(scaled), 1, self.server_lr)
+            step = server_step(self.models[0], mean(scaled, deltas=True), 1, self.server_lr)
         else:
             delta = None
             for update, weight in zip(updates, weights):

@@ -45,7 +45,7 @@ def feddyn_server_step(
 
     ``server`` is the model the clients received, ``h`` holds one array per trainable parameter
     (its keys), ``num_clients`` is m. Computed in float64, returned in each array's own dtype.
-    ``robust_mean``: a robust mean of ``models`` (``strategy.defence.robust_mean``) standing in
+    ``robust_mean``: a robust mean of ``models`` (``strategy.defence.aggregator``) standing in
     for each of them (the sum of the updates is then |P_t| times its update).
     """
     mean = mean_models(models) if robust_mean is None else robust_mean

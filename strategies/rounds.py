@@ -31,8 +31,8 @@ from flwr.supercore import log
 from fedmm import protocol
 from fedmm.protocol import ClientUpdate
 from strategies.aggregation import non_finite_key
-from strategies.aggregators import Mean
-from strategies.defence import check_model, defend
+from strategies.aggregators import AggregationRefused, Mean
+from strategies.defence import ONE_MODEL, check_model, defend
 from strategies.evaluation import client_metrics
 from strategies.ledger import ReplyCheck
 from strategies.loop_log import connected, log_train_round
@@ -74,19 +74,30 @@ def end(strategy: Method, server_round: int, updates: list[ClientUpdate], reject
     metrics = strategy.train_metrics(updates)
     previous = (list(strategy.models or []), strategy.global_model)
     moments = strategy.optimizer.state_dict() if strategy.optimizer is not None else None
-    mean = Mean.of(strategy.settings.defence, strategy.selector.aggregation_weights)
+    # the robust chain acts on updates: differences to the model they were sent (the multi-model
+    # methods' global mean: to the previous global model)
+    reference = previous[0][0] if previous[0] and strategy.holds == ONE_MODEL else previous[1]
+    mean = Mean.of(strategy.settings.defence, strategy.selector.aggregation_weights, reference)
     taking_part = {} if members is None else {"members": members}
     strategy.observers.on_aggregate(server_round, updates + stand_ins)
-    global_model = strategy.aggregate(server_round, updates + stand_ins, mean, **taking_part)
+    try:
+        global_model = strategy.aggregate(server_round, updates + stand_ins, mean, **taking_part)
+        refused = ""
+    except AggregationRefused as err:  # too few updates for the aggregator's f: nothing aggregated
+        global_model, refused = None, f"strategy.defence.aggregator={mean.aggregator} refused the round's " \
+                                      f"{len(updates + stand_ins)} updates ({err})"
     if strategy.optimizer is not None and global_model is not None:  # the server's step: the optimizer's
         global_model = strategy.optimizer.step(server_round, previous[0][0], global_model)
         strategy.models = [global_model]
-    bad = non_finite_key(global_model) or next((k for m in strategy.models or [] if (k := non_finite_key(m))), None)
+    bad = refused or non_finite_key(global_model) or next((k for m in strategy.models or [] if (k := non_finite_key(m))), None)
     if bad:
         strategy.models, strategy.global_model = previous
         if moments is not None:
             strategy.optimizer.load_state_dict(moments)
-        log(ERROR, "round %d: the aggregate has NaN/Inf in %s; the models before it are kept", server_round, bad)
+        if refused:
+            log(ERROR, "round %d: %s; the models before it are kept", server_round, refused)
+        else:
+            log(ERROR, "round %d: the aggregate has NaN/Inf in %s; the models before it are kept", server_round, bad)
         strategy.last_round.replies = 0
         if "replies" in metrics:
             metrics["replies"] = 0.0

@@ -73,7 +73,7 @@ def scaffold_step(
     Trainable entries: x + η_g·Σ_i q_i(y_i − x) with q_i = ``model_weights`` normalised (None:
     1/|S|); non-trainable entries: the ``examples``-weighted mean. c⁺ = c + (1/N)·Σ_i v_i·Δc_i with
     v_i = ``control_weights`` (None: 1). ``robust``: robust means of the models and of the Δc_i
-    (``strategy.defence.robust_mean``): x⁺ = x + η_g·(robust model − x) (buffers: the robust
+    (``strategy.defence.aggregator``): x⁺ = x + η_g·(robust model − x) (buffers: the robust
     model's), c⁺ = c + (|S|/N)·(robust Δc).
     """
     if robust is not None:
@@ -172,7 +172,7 @@ class Scaffold(FedAvg):
             examples, self.num_clients, self.server_lr,
             model_weights=examples if lab else None,
             control_weights=[self._data_weights[u.node_id] for u in updates] if lab else None,
-            robust=(mean([u.model for u in updates]), mean([u.extras[scaffold_client.CONTROL_DELTA] for u in updates]))
+            robust=(mean([u.model for u in updates]), mean([u.extras[scaffold_client.CONTROL_DELTA] for u in updates], deltas=True))
             if mean.robust else None,
         )
         self.models, self.control = [x], c

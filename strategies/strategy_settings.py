@@ -7,6 +7,7 @@ from typing import Any, ClassVar
 
 from fedmm.errors import ConfigError
 from fedmm.settings import Int, Nullable, Number, Settings, paired_objectives, setting
+from strategies.aggregators import check_chain
 from strategies.defence import ONE_MODEL, DefenceSettings, refuse, refused_settings
 from strategies.heterogeneity import NEUTRAL, HeterogeneitySettings
 
@@ -36,8 +37,16 @@ class StrategySettings(Settings):
                                                    "deadlines on a virtual clock (docs/async.md)")
 
     #: Declared after runs were made: the values that reproduce those runs.
-    added = {"max_num_examples": None, "defence": {"clip_update_norm": None, "robust_mean": "none", "trim_fraction": 0.1},
+    added = {"max_num_examples": None, "defence": {"clip_update_norm": None},
              "heterogeneity": NEUTRAL}
+
+    def updates_per_round(self, run: Any) -> int:
+        """The updates the defence stage and the run's mean see per round when every node
+        answers (an asynchronous method's B)."""
+        return run.clients_per_round
+
+    #: How errors name where :meth:`updates_per_round` comes from.
+    updates_named: ClassVar[str] = "clients_per_round"
 
     def check_values(self, prefix: str) -> None:
         """What the method holds decides the defence settings it refuses
@@ -57,6 +66,7 @@ class StrategySettings(Settings):
         if paired and run.objective.name not in paired:
             raise ConfigError("objective", run.objective.name, f"{' or '.join(paired)} with strategy {self.option} "
                               "(its clients run its objective: the records and state it keeps)")
+        check_chain(self.defence, self.updates_per_round(run), self.updates_named)
         held_out = run.partition.local_test_fraction
         if self.fraction_evaluate > 0 and not held_out:
             raise ConfigError(

@@ -213,3 +213,66 @@ def test_absent_nodes_never_answer_and_the_others_train(monkeypatch: pytest.Monk
     assert call("absent-2", 2) == "reply" and call("absent-1", 1) == "reply" and call("clean", 0) == "reply"
     assert trained == [2, 1, 0]
     assert faults.ABSENT not in faults.ATTACKS  # run only when named
+
+
+def test_colluding_nodes_send_the_attack_on_the_honest_updates_of_their_own_round() -> None:
+    """CollusionGrid holds a round's train replies until all are in, then each marked (hostile)
+    reply becomes its sent model plus ALIE of that round's honest updates; the next round's
+    hostile update is computed from the next round's (a vector from the wrong round fails here)."""
+    from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+
+    from fedmm import protocol
+    from tests.fakes import FakeGrid
+
+    def node(msg: Message, key: str) -> RecordDict:
+        w = protocol.record_to_model(msg.content[protocol.ARRAYS], copy=True)["w"]
+        r, i = int(msg.content[protocol.CONFIG][protocol.SERVER_ROUND]), int(key[-1])
+        metrics = MetricRecord({protocol.NUM_EXAMPLES: 10.0})
+        if i == 0:
+            metrics[faults.COLLUDING_MARK] = 1.0
+        step = np.array([i, -i, r * i, 1.0], np.float32) * r
+        return RecordDict({protocol.ARRAYS: protocol.model_to_record({"w": w + step, "n": np.array(r)}),
+                           protocol.METRICS: metrics})
+
+    class Once(FakeGrid):
+        """A reply is pulled once, as from Flower's grids (asked again, they answer with an error)."""
+
+        given: set = set()
+
+        def pull_messages(self, message_ids):  # noqa: ANN001, ANN202
+            again = self.given & set(message_ids)
+            assert not again, f"asked again for {again}"
+            out = super().pull_messages(message_ids)
+            self.given |= {m.metadata.reply_to_message_id for m in out}
+            return out
+
+    inner = Once(node, num_nodes=4)
+    grid = faults.CollusionGrid(inner, faults.colluding_attack("alie", 1))
+    nodes = grid.get_node_ids()
+    made = []
+    for r, sent in ((1, np.zeros(4, np.float32)), (2, np.full(4, 3.0, np.float32))):
+        msgs = [protocol.server_message(protocol.TRAIN, n, {protocol.SERVER_ROUND: r},
+                                        protocol.model_to_record({"w": sent, "n": np.array(0)})) for n in nodes]
+        ids = grid.push_messages(msgs)
+        replies = grid.pull_messages(ids[:2])
+        assert replies == []  # held: the round is not in yet
+        replies = grid.pull_messages(ids)  # the strategy asks for every reply it has not seen
+        assert len(replies) == 4
+        honest = np.stack([np.array([i, -i, r * i, 1.0]) * r for i in (1, 2, 3)])
+        expected = honest.mean(axis=0) + 1.5 * honest.std(axis=0, ddof=1)
+        by_key = {inner.keys[m.metadata.src_node_id]: m for m in replies}
+        hostile = protocol.record_to_model(by_key["partition:000000000"].content[protocol.ARRAYS])
+        np.testing.assert_allclose(hostile["w"], sent + expected, rtol=1e-6)
+        assert hostile["n"] == 0  # integer entries stay as sent
+        assert all(faults.COLLUDING_MARK not in m.content[protocol.METRICS] for m in replies)
+        made.append(expected)
+    assert not np.allclose(made[0], made[1])
+
+
+def test_the_optimized_attacks_search_against_the_runs_aggregator() -> None:
+    import byzfl
+
+    attack = faults.colluding_attack("optalie", 2, {"aggregator": "trmean", "pre_aggregators": ["nnm"], "f": 1})
+    assert isinstance(attack.agg, byzfl.TrMean) and attack.agg.f == 2 and isinstance(attack.pre_agg_list[0], byzfl.NNM)
+    plain = faults.colluding_attack("optipm", 1, {"aggregator": "mean"})
+    assert isinstance(plain.agg, byzfl.Average) and plain.pre_agg_list == []

@@ -13,17 +13,8 @@ from fedmm.config import compose, discover
 from strategies import build_strategy
 from fedmm.errors import ConfigError
 from fedmm.protocol import ClientUpdate
-from strategies.aggregation import robust_mean_models
 from strategies.defence import Defence, DefenceSettings, defend
 from tests.fakes import FakeGrid
-
-
-def test_robust_means_by_hand() -> None:
-    models = [{"w": np.array([1.0, 10.0], np.float32), "n": np.array(1)}, {"w": np.array([2.0, 20.0], np.float32), "n": np.array(2)},
-              {"w": np.array([3.0, 30.0], np.float32), "n": np.array(3)}, {"w": np.array([400.0, -4000.0], np.float32), "n": np.array(4)}]
-    np.testing.assert_allclose(robust_mean_models(models, "median")["w"], [2.5, 15.0])
-    np.testing.assert_allclose(robust_mean_models(models, "trimmed", 0.25)["w"], [2.5, 15.0])  # 1 of 4 cut each side
-    assert robust_mean_models(models, "median")["w"].dtype == np.float32 and robust_mean_models(models, "median")["n"] == 2
 
 
 def update(w: list[float], sent: list[float], node: int = 0) -> ClientUpdate:
@@ -213,7 +204,7 @@ def one_round(strategy_name: str, defence: list[str], attack: str, seen: list | 
 @pytest.mark.parametrize("attack", ["scale", "flip"])
 def test_defences_hold_one_hostile_client_of_five(name: str, attack: str) -> None:
     undefended = one_round(name, [], attack)["w"]
-    median = one_round(name, ["strategy.defence.robust_mean=median"], attack)["w"]
+    median = one_round(name, ["strategy.defence.aggregator=median"], attack)["w"]
     bounded = one_round(name, ["strategy.defence.clip_update_norm=2.0"], attack)["w"]
     assert np.abs(undefended - 1).max() > 2  # the attacker moves the plain mean far from +1
     np.testing.assert_allclose(median, 1.0)  # 4 of 5 honest: the median is theirs
@@ -252,9 +243,20 @@ DEFENCES = [
     ("norm_screen", ["3.0"], "scale"),
     ("class_screen", ["0.3"], "labelflip"),
     ("refill", ["median", "strategy.defence.norm_screen=3.0"], "flip"),
-    ("robust_mean", ["median"], "scale"),
-    ("robust_mean", ["trimmed", "strategy.defence.trim_fraction=0.2"], "scale"),
+    ("krum_screen", ["true", "strategy.defence.f=1"], "flip"),
+    ("aggregator", ["median"], "scale"),
+    ("aggregator", ["trmean", "strategy.defence.f=1"], "scale"),
+    ("aggregator", ["multikrum", "strategy.defence.f=1"], "scale"),
+    ("aggregator", ["geometric_median"], "scale"),
+    ("pre_aggregators", ["[nnm]", "strategy.defence.aggregator=trmean", "strategy.defence.f=1"], "scale"),
+    ("pre_aggregators", ["[bucketing]", "strategy.defence.aggregator=median", "strategy.defence.bucket_size=2"], "scale"),
+    ("pre_aggregators", ["[clipping]", "strategy.defence.aggregator=average", "strategy.defence.clip_threshold=10.0"],
+     "scale"),
 ]
+#: Parameters of the settings above (each row that needs one sets it), not defences of their own.
+PARAMETERS = {"f", "bucket_size", "clip_threshold"}
+#: The settings that act on the mean a method takes, not on each update: shown on the global model.
+MEAN_SETTINGS = {"aggregator", "pre_aggregators"}
 #: Settings that let one round of every method see all 5 replies.
 ALL_BACK = {"fedbuff": ["strategy.concurrency=5", "strategy.buffer_size=5"],
             "fedmr_async": ["strategy.buffer_size=5"], "fedcross_async": ["strategy.buffer_size=5"]}
@@ -317,7 +319,8 @@ def test_the_class_screen_refuses_a_model_without_an_output_layer_before_any_nod
 
 
 def test_the_table_names_every_defence_setting() -> None:
-    assert {name for name, _, _ in DEFENCES} == {f.name for f in dataclasses.fields(DefenceSettings)} - {"trim_fraction"}
+    assert {name for name, _, _ in DEFENCES} == {f.name for f in dataclasses.fields(DefenceSettings)} - PARAMETERS
+    assert PARAMETERS <= {n.split("=")[0].rsplit(".", 1)[-1] for _, needs, _ in DEFENCES for n in needs[1:]}
 
 
 @pytest.mark.parametrize("name", sorted(discover("strategy")))
@@ -341,7 +344,7 @@ def test_the_matrix_fails_a_method_that_bypasses_the_mean_it_is_given(monkeypatc
             return self.models[0]
 
     monkeypatch.setattr(FedAvgSettings, "strategy_class", Bypassing)
-    with pytest.raises(AssertionError, match="robust_mean=median against scale"):
+    with pytest.raises(AssertionError, match="aggregator=median against scale"):
         every_defence_holds_or_is_refused("fedavg")
 
 
@@ -358,20 +361,20 @@ def every_defence_holds_or_is_refused(name: str) -> None:
             continue
         undefended = attacked[attack]
         # the stage acts on every model; a robust mean is the mean the method takes (its global model)
-        shown = slice(None) if setting_name != "robust_mean" else slice(0, 1)
+        shown = slice(None) if setting_name not in MEAN_SETTINGS else slice(0, 1)
         gap = max(np.abs(d - h).max() for d, h in zip(defended[shown], honest[shown]))
         before = max(np.abs(u - h).max() for u, h in zip(undefended[shown], honest[shown]))
         assert gap < before / 2, f"{name} with {key}={value} against {attack}: {gap:.3g} vs {before:.3g} undefended"
 
 
-def test_secure_recombination_refuses_the_stage_and_keeps_the_robust_mean() -> None:
+def test_secure_recombination_refuses_the_stage_and_keeps_the_aggregator() -> None:
     """An upload of secure FedMR is recombined among clients: no update against a sent model."""
     for name in ("clip_update_norm=1.0", "adaptive_clip=2.0", "screen=0.0"):
         with pytest.raises(ConfigError) as err:
             compose(["strategy=fedmr", "strategy.secure.enabled=true", f"strategy.defence.{name}"])
         assert err.value.key == f"strategy.defence.{name.split('=')[0]}" and "strategy.secure.enabled=true" in str(err.value)
-    run = compose(["strategy=fedmr", "strategy.secure.enabled=true", "strategy.defence.robust_mean=median"])
-    assert run.strategy.defence.robust_mean == "median"
+    run = compose(["strategy=fedmr", "strategy.secure.enabled=true", "strategy.defence.aggregator=median"])
+    assert run.strategy.defence.aggregator == "median"
 
 
 def test_from_round_2_each_update_is_judged_against_the_model_its_node_was_sent() -> None:
@@ -409,3 +412,22 @@ def test_from_round_2_each_update_is_judged_against_the_model_its_node_was_sent(
     assert any(not np.array_equal(s["a.weight"], mean["a.weight"]) for s in second)
     for p, b in zip(plain, bounded):
         np.testing.assert_array_equal(p, b)
+
+
+def test_a_round_whose_updates_the_aggregator_cannot_take_keeps_the_models(caplog: pytest.LogCaptureFixture) -> None:
+    """Krum with f = 2 takes 5 updates (2f < n) but not the 4 of a round where a node's reply
+    never came: the round aggregates nothing, says why, and counts no reply."""
+    strategy = build_strategy(compose(["strategy=fedavg", "num_clients=5", "clients_per_round=5",
+                                       "strategy.defence.aggregator=krum", "strategy.defence.f=2", "round_timeout=1"]))
+    initial = {"w": np.zeros(4, np.float32)}
+
+    def node(msg: Message, key: str) -> RecordDict:
+        w = protocol.record_to_model(msg.content[protocol.ARRAYS], copy=True)["w"]
+        return RecordDict({protocol.ARRAYS: protocol.model_to_record({"w": w + 1}),
+                           protocol.METRICS: MetricRecord({protocol.NUM_EXAMPLES: 10.0})})
+
+    grid = FakeGrid(node, num_nodes=5, drop=["partition:000000003"])
+    strategy.start(grid, protocol.model_to_record(initial), num_rounds=1, timeout=0.5, final_report=False)
+    np.testing.assert_array_equal(strategy.models[0]["w"], initial["w"])
+    assert strategy.last_round.replies == 0
+    assert "strategy.defence.aggregator=krum refused the round's 4 updates" in caplog.text
