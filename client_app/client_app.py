@@ -28,8 +28,6 @@ from flwr.clientapp import ClientApp
 from client_app import secure
 from fedmm import protocol, secure_protocol
 
-app = ClientApp()
-
 #: Node config key of a deployed SuperNode's dataset folder (see client_app.node_data).
 DATA_PATH_KEY = protocol.DATA_PATH_KEY
 
@@ -43,7 +41,6 @@ def node_key(node_config: Mapping[str, Any], node_id: int) -> str:
     return f"node:{node_id:020d}"
 
 
-@app.train()
 def train(msg: Message, context: Context) -> Message:
     """Train the received model on the local data with the configured local-update plugin."""
     from client_app import work
@@ -69,32 +66,27 @@ def secure_train(config: str, context: Context, server_round: int, arrays: proto
     return work.secure_train(client_run(config), context, server_round, arrays)
 
 
-@app.train(secure_protocol.SECURE_KEYS)
 def secure_keys(msg: Message, context: Context) -> Message:
     """Secure recombination: key setup (and training, when the exchange is after it)."""
     return secure.handle(msg, context, secure_train)
 
 
-@app.train(secure_protocol.SECURE_SEND)
 def secure_send(msg: Message, context: Context) -> Message:
     """Secure recombination: settle the last repetition (train first at the start of the
     exchange after training, in ``both`` mode), then stage 1 (send layers)."""
     return secure.handle(msg, context, secure_train)
 
 
-@app.train(secure_protocol.SECURE_RETURN)
 def secure_return(msg: Message, context: Context) -> Message:
     """Secure recombination: stages 2 and 3 (receive layers, return random ones)."""
     return secure.handle(msg, context, secure_train)
 
 
-@app.train(secure_protocol.SECURE_UPLOAD)
 def secure_upload(msg: Message, context: Context) -> Message:
     """Secure recombination: settle the last repetition (train in ``before`` mode), upload."""
     return secure.handle(msg, context, secure_train)
 
 
-@app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     """Evaluate the received model on this node's held-out rows (federated evaluation)."""
     from client_app import work
@@ -102,7 +94,6 @@ def evaluate(msg: Message, context: Context) -> Message:
     return work.evaluate_reply(msg, context)
 
 
-@app.query()
 def query(msg: Message, context: Context) -> Message:
     """Report this node's stable key so the server samples reproducibly, and, when asked
     (clustered sampling), the number of examples it trains on."""
@@ -114,3 +105,23 @@ def query(msg: Message, context: Context) -> Message:
 
         roster[protocol.NUM_EXAMPLES] = len(work.local_data(client_run(protocol.run_config_text(msg)), context))
     return protocol.reply_message(msg, {protocol.ROSTER: ConfigRecord(roster)})
+
+
+def build_app(mods: Sequence[Any] = ()) -> ClientApp:
+    """This ClientApp with Flower's ``mods`` around every handler (e.g. ``fixedclipping_mod``,
+    ``adaptiveclipping_mod``, ``LocalDpMod(...)`` for client-side differential privacy,
+    docs/privacy.md). Point ``simulation.client_app`` (``fedmm``) or pyproject.toml's
+    ``clientapp`` (``flwr run``, a deployment) at a module attribute holding one. A ClientApp with
+    mods trains one message at a time on the in-process engine (its mods see every message)."""
+    client = ClientApp(mods=list(mods))
+    client.train()(train)
+    for action, handler in ((secure_protocol.SECURE_KEYS, secure_keys), (secure_protocol.SECURE_SEND, secure_send),
+                            (secure_protocol.SECURE_RETURN, secure_return), (secure_protocol.SECURE_UPLOAD, secure_upload)):
+        client.train(action)(handler)
+    client.evaluate()(evaluate)
+    client.query()(query)
+    return client
+
+
+#: The ClientApp (no mods): ``client_app.client_app:app``.
+app = build_app()

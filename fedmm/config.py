@@ -23,6 +23,7 @@ import difflib
 import functools
 import json
 import os
+import re
 import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -139,7 +140,8 @@ class SimulationSettings(Settings):
     group = "simulation"
     option = "default"
     keyed = False
-    added = {"ray_address": None, "ray_init_args": {}, "engine": "ray", "vectorize": "off", "vectorize_clients": None}
+    added = {"ray_address": None, "ray_init_args": {}, "engine": "ray", "vectorize": "off", "vectorize_clients": None,
+             "client_app": "client_app.client_app:app"}
     engine: str = setting("local", Choice(*ENGINES),
                           "local: the ServerApp and one ClientApp at a time in fedmm's process, no Ray "
                           "(fedmm/local_engine.py) | ray: Flower's simulation engine, ClientApps in Ray workers "
@@ -161,9 +163,16 @@ class SimulationSettings(Settings):
                                             "local engine, vectorize: at most this many clients in one computation "
                                             "(null: all of the round's; halved while CUDA runs out of memory)")
 
+    client_app: str = setting("client_app.client_app:app", Str(), "the ClientApp the simulation runs, as "
+                              "module:attribute (e.g. this app with Flower's mods: client_app.client_app.build_app(mods=...), "
+                              "docs/privacy.md); flwr run takes pyproject.toml's clientapp instead")
+
     def check_values(self, prefix: str) -> None:
         """The Ray settings only with ``engine: ray``; ``ray_init_args``: ray.init keyword
-        arguments that fit ``ray_address``."""
+        arguments that fit ``ray_address``; ``client_app`` as module:attribute."""
+        if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", str(self.client_app)):
+            raise ConfigError(f"{prefix}client_app", self.client_app, "module:attribute (a ClientApp object), e.g. "
+                              "client_app.client_app:app")
         if self.engine != "ray":
             declared = type(self)()
             for name in RAY_ONLY:

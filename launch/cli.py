@@ -158,6 +158,22 @@ def prepare_server_data(cfg: Any) -> None:
         pass
 
 
+def load_client_app(where: str) -> Any:
+    """The ClientApp object ``module:attribute`` names (``simulation.client_app``)."""
+    import importlib
+
+    from flwr.clientapp import ClientApp
+
+    module, _, name = where.partition(":")
+    try:
+        app = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as err:
+        raise config_mod.ConfigError("simulation.client_app", where, f"module:attribute of a ClientApp ({err})") from err
+    if not isinstance(app, ClientApp):
+        raise config_mod.ConfigError("simulation.client_app", where, f"a ClientApp object (it is a {type(app).__name__})")
+    return app
+
+
 def run_job(settings: Any, observers: Any = ()) -> Path:
     """Run one experiment (its settings, or a plain config: validated here) on the simulation
     engine ``simulation.engine`` names and return its results directory; ``observers`` see the
@@ -165,13 +181,13 @@ def run_job(settings: Any, observers: Any = ()) -> Path:
     from flwr.app import Context
     from flwr.serverapp import Grid, ServerApp
 
-    from client_app.client_app import app as client_app
     from client_app.client_app import train_batch
     from fedmm.interrupt import reset
     from server_app.runner import run_experiment
 
     reset()
     cfg = config_mod.as_run(settings)
+    client_app = load_client_app(cfg.simulation.client_app)
     out: dict[str, Any] = {}
     server_app = ServerApp()
     prepared = None

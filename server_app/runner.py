@@ -212,6 +212,7 @@ def run_locked(grid: Grid, run: RunSettings, run_dir: Path, checkpoint: dict[str
     done = 0 if checkpoint is None else int(checkpoint["round"])
     checkpoints: Checkpointer | None = None
     status: dict[str, Any] = {"status": "failed", "reason": "the run stopped before its first round"}
+    strategy: Any = None
     try:
         watchers.on_run_start(run_info(run, run_dir, simulation, resumed_at=None if checkpoint is None else done + 1))
         seed_everything(run.seed)
@@ -328,7 +329,8 @@ def run_locked(grid: Grid, run: RunSettings, run_dir: Path, checkpoint: dict[str
             pool = strategy.pool()
             with atomic_file(run_dir / "final_models.npz", "wb") as f:
                 np.savez(f, **{f"{i}/{k}": v for i, m in enumerate(pool) for k, v in m.items()})
-        status = {"status": "completed"}
+        stopped = strategy.privacy.stopped if strategy.privacy is not None else ""
+        status = {"status": "privacy_budget_spent", "reason": f"stopped before {stopped}"} if stopped else {"status": "completed"}
     except KeyboardInterrupt:
         rounds_done = checkpoints.round if checkpoints else done
         status = {"status": "interrupted", "reason": f"interrupted after round {rounds_done} (resume=<this run dir> continues it)"}
@@ -358,6 +360,7 @@ def run_locked(grid: Grid, run: RunSettings, run_dir: Path, checkpoint: dict[str
                     "seconds": round(time.perf_counter() - t0, 3),
                     "bytes_sent": counting.bytes_sent,
                     "bytes_received": counting.bytes_received,
+                    **({"privacy": strategy.privacy.summary()} if getattr(strategy, "privacy", None) else {}),
                 },
             )
             if recorder.history:

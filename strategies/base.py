@@ -40,7 +40,7 @@ from strategies.evaluation import Conventions, EvaluateFn, FederatedEvaluation
 from strategies.heterogeneity import LocalWork, VirtualClock
 from strategies.ledger import ReplyLedger, RoundOutcome
 from strategies.loop_log import MultiModelResult, log_end, log_round, log_start, log_summary
-from strategies.messaging import exchange
+from strategies.privacy import Privacy
 from strategies.selection import ClientSelector, SeededRosterSelector
 from strategies.server_optimizer import ServerOptimizer
 from strategies.strategy_settings import StrategySettings
@@ -151,6 +151,8 @@ class FedmmStrategy(FederatedEvaluation):
                              "another model than the one it trains next)")
         #: The server optimizer (None: the method's own step).
         self.optimizer = server_optimizer
+        #: Central differential privacy (strategies/privacy.py; None: off).
+        self.privacy = Privacy.attach(self)
         self.driver = self.driver_class(self.settings)(self)
 
     @classmethod
@@ -225,18 +227,6 @@ class FedmmStrategy(FederatedEvaluation):
         if self.driver.describe():
             log(INFO, "\t└──> %s", self.driver.describe())
 
-    def send(self, grid: Grid, messages: list[Message], timeout: float,
-             on_reply: Callable[[Message], None] | None = None) -> list[Message]:
-        """One phase: push ``messages`` and collect the replies as they arrive (nothing is sent
-        for no message); stop waiting after ``timeout`` seconds or when a stop is requested.
-        ``messages`` is emptied once pushed (only the grid holds them until their replies are
-        in). With ``on_reply`` every reply is handed to it as soon as it is pulled and not kept."""
-        if not messages:
-            return []
-        batch = list(messages)
-        messages.clear()
-        return exchange(grid, batch, timeout, on_reply)
-
     # ================================================================== state
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue the run exactly: models, global model, RNG, selector,
@@ -244,9 +234,11 @@ class FedmmStrategy(FederatedEvaluation):
         state = {"models": self.models, "global_model": self.global_model, "rng": self.rng.bit_generator.state,
                  "selector": self.selector.state_dict(), "accepted_rounds": dict(self.replies.accepted_rounds),
                  "clock": self.clock.state_dict(), **self.driver.state_dict()}
-        if self.optimizer is not None:
-            state["server_optimizer"] = self.optimizer.state_dict()
-        return state
+        return {**state, **{name: part.state_dict() for name, part in self.parts().items()}}
+
+    def parts(self) -> dict[str, Any]:
+        """The stateful parts of the server's step beside the method, by checkpoint key."""
+        return {name: part for name, part in (("server_optimizer", self.optimizer), ("privacy", self.privacy)) if part}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
@@ -258,8 +250,8 @@ class FedmmStrategy(FederatedEvaluation):
         self.replies.accepted_rounds = {int(k): int(v) for k, v in state.get("accepted_rounds", {}).items()}
         if "clock" in state:  # checkpoints before the virtual clock have none
             self.clock.load_state_dict(state["clock"])
-        if self.optimizer is not None:
-            self.optimizer.load_state_dict(state["server_optimizer"])
+        for name, part in self.parts().items():
+            part.load_state_dict(state[name])
         self.driver.load_state_dict(state)
 
     # ================================================================== the loop
@@ -292,6 +284,8 @@ class FedmmStrategy(FederatedEvaluation):
         self.driver.start(num_rounds)
         failed_rounds = 0
         for current_round in range(max(1, start_round), num_rounds + 1):
+            if self.privacy is not None and self.privacy.spent(current_round):
+                break
             log(INFO, "")
             log(INFO, "[ROUND %s/%s]", current_round, num_rounds)
             agg_arrays, train_metrics = self.driver.run(current_round, grid, arrays, train_config, timeout)

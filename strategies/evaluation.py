@@ -24,6 +24,7 @@ from fedmm import protocol
 from fedmm.observers import Observers
 from fedmm.protocol import ClientUpdate, ModelDict
 from strategies.loop_log import MultiModelResult, metrics_text
+from strategies.messaging import exchange
 
 if TYPE_CHECKING:
     from strategies.selection import ClientSelector
@@ -153,6 +154,18 @@ class FederatedEvaluation(Strategy):
         return MetricRecord(protocol.weighted_metrics(valid, self.weighted_by_key))
 
     # ================================================================== one round's evaluation
+    def send(self, grid: Grid, messages: list[Message], timeout: float,
+             on_reply: Callable[[Message], None] | None = None) -> list[Message]:
+        """One phase: push ``messages`` and collect the replies as they arrive (nothing is sent
+        for no message); stop waiting after ``timeout`` seconds or when a stop is requested.
+        ``messages`` is emptied once pushed (only the grid holds them until their replies are
+        in). With ``on_reply`` every reply is handed to it as soon as it is pulled and not kept."""
+        if not messages:
+            return []
+        batch = list(messages)
+        messages.clear()
+        return exchange(grid, batch, timeout, on_reply)
+
     def evaluate_initial(self, arrays: ArrayRecord, evaluate_fn: EvaluateFn | None, result: MultiModelResult) -> None:
         """The central evaluation of the initial model (round 0), into ``result``."""
         if evaluate_fn:

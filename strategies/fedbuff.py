@@ -101,6 +101,8 @@ class FedBuff(Method):
     """
 
     Settings = FedBuffSettings
+    releases = ""
+    private_refused = "its jobs run without a round barrier: no round samples K of N clients, which the accounting assumes"
     Driver = AsyncRound
 
     def aggregate(self, server_round: int, updates: list[ClientUpdate], mean: Mean) -> ModelDict | None:

@@ -85,6 +85,8 @@ class FedDyn(FedAvg):
 
     Settings = FedDynSettings
     global_is_next = False  # it evaluates the mean of the trained models, trains the corrected θ
+    releases = ""
+    private_refused = "its state h sums every round's client drifts into the model it sends: a second release this analysis does not cover"
 
     def __init__(self, clients_per_round: int, seed: int, num_clients: int, fraction_evaluate: float | None = None,
                  selector: ClientSelector | None = None, **settings: Any) -> None:

@@ -55,6 +55,8 @@ class FedExP(FedAvg):
 
     Settings = FedExPSettings
     global_is_next = False  # it evaluates the mean of the last two iterates
+    releases = ""
+    private_refused = "its server step size is computed from the clients' update norms, which the noise does not cover"
 
     def epsilon_at(self, server_round: int) -> float:
         """ε of a round."""

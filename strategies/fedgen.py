@@ -97,6 +97,8 @@ class FedGen(FedAvg):
     """
 
     Settings = FedGenSettings
+    releases = ""
+    private_refused = "its generator is trained on each uploaded model and the clients' label counts, which are released with it"
 
     def __init__(self, clients_per_round: int, seed: int, fraction_evaluate: float | None = None,
                  selector: ClientSelector | None = None, **settings: Any) -> None:

@@ -38,6 +38,8 @@ class FedNova(FedAvg):
     """Normalized averaging (module docstring): only :meth:`aggregate` differs from FedAvg."""
 
     Settings = FedNovaSettings
+    releases = ""
+    private_refused = "it rescales each update by τ_eff/a_i, which clipping does not bound"
 
     def reply_metrics(self) -> tuple[str, ...]:
         """Every reply carries its client's normalizing factor."""

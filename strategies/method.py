@@ -51,6 +51,12 @@ class Method(FedmmStrategy):
     Driver = SyncRound
     #: The global model is the model the method trains next (False: FedExP, FedDyn evaluate another).
     global_is_next: ClassVar[bool] = True
+    #: What the method releases under differential privacy (:mod:`strategies.privacy`): ``"mean"``
+    #: (its next model is the mean of the round's updates: noise on that mean), ``"models"`` (its
+    #: models are functions of the K trained models: noise on each of those), or ``""`` (refused,
+    #: :attr:`private_refused` says why).
+    releases: ClassVar[str] = "mean"
+    private_refused: ClassVar[str] = ""
 
     @classmethod
     def steps_one_model(cls) -> bool:

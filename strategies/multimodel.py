@@ -72,6 +72,7 @@ class MultiModel(Method):
     """
 
     holds = PER_NODE
+    releases = "models"  # under DP: the K trained models, noised; recombination, fusion, mutation are post-processing
 
     #: Log the pairwise cosine similarity of the trained models every round (:func:`cosine_summary`:
     #: about K²·N/2 float64 multiply-adds for N parameters; 0.2 s for K = 10 CNNs of 1.7M on two

@@ -61,6 +61,8 @@ def end(strategy: Method, server_round: int, updates: list[ClientUpdate], reject
     part, for a method with a model per node whose round is a part of its models (asynchronous:
     the B that came back). Returns (the global model's arrays, None when unchanged; the train metrics)."""
     stand_ins: list[ClientUpdate] = []
+    if updates and strategy.privacy is not None:  # clipped against the sent models (and, per model, noised)
+        updates = strategy.privacy.stage(updates, rejected, [strategy.where(u.node_id, u.slot) for u in updates])
     if updates:
         names = [strategy.where(u.node_id, u.slot) for u in updates]
         verdicts: list[Any] = []
@@ -77,7 +79,8 @@ def end(strategy: Method, server_round: int, updates: list[ClientUpdate], reject
     # the robust chain acts on updates: differences to the model they were sent (the multi-model
     # methods' global mean: to the previous global model)
     reference = previous[0][0] if previous[0] and strategy.holds == ONE_MODEL else previous[1]
-    mean = Mean.of(strategy.settings.defence, strategy.selector.aggregation_weights, reference)
+    weigh = strategy.selector.aggregation_weights if strategy.privacy is None else (lambda ups: [1.0] * len(ups))
+    mean = Mean.of(strategy.settings.defence, weigh, reference)
     taking_part = {} if members is None else {"members": members}
     strategy.observers.on_aggregate(server_round, updates + stand_ins)
     try:
@@ -86,6 +89,9 @@ def end(strategy: Method, server_round: int, updates: list[ClientUpdate], reject
     except AggregationRefused as err:  # too few updates for the aggregator's f: nothing aggregated
         global_model, refused = None, f"strategy.defence.aggregator={mean.aggregator} refused the round's " \
                                       f"{len(updates + stand_ins)} updates ({err})"
+    if strategy.privacy is not None and updates and global_model is not None and strategy.privacy.releases == "mean":
+        global_model = strategy.privacy.release(global_model, len(updates))  # the mean of the round's updates, noised
+        strategy.models = [global_model]
     if strategy.optimizer is not None and global_model is not None:  # the server's step: the optimizer's
         global_model = strategy.optimizer.step(server_round, previous[0][0], global_model)
         strategy.models = [global_model]
@@ -104,6 +110,8 @@ def end(strategy: Method, server_round: int, updates: list[ClientUpdate], reject
         return None, metrics
     if global_model is not None:
         strategy.global_model = global_model
+    if strategy.privacy is not None and updates:  # the round's release, accounted
+        strategy.round_log["epsilon"] = strategy.privacy.account()
     for update in updates:  # their objectives keep the state they made (objectives.base.LocalUpdate.keep)
         strategy.replies.accepted_rounds[update.node_id] = server_round - update.staleness
     for model in [*(strategy.models or []), strategy.global_model or {}]:
@@ -147,7 +155,8 @@ class SyncRound:
                 if index not in encoded:
                     encoded[index] = protocol.model_to_record(s.models[index])
                 node_config = {**dict(config), protocol.SERVER_ROUND: server_round, protocol.MODEL_INDEX: index,
-                               protocol.ACCEPTED_ROUND: s.replies.accepted_rounds.get(node_id, 0)}
+                               protocol.ACCEPTED_ROUND: s.replies.accepted_rounds.get(node_id, 0),
+                               **(s.privacy.train_config() if s.privacy is not None else {})}
                 messages.append(protocol.server_message(
                     protocol.TRAIN, node_id, node_config, encoded[index], s.extra_records(server_round, slot),
                     arrays_key=s.arrayrecord_key, config_key=s.configrecord_key))

@@ -120,6 +120,8 @@ class Scaffold(FedAvg):
     """
 
     Settings = ScaffoldSettings
+    releases = ""
+    private_refused = "its control variate c, the mean of the clients' Δc_i, is sent to every client: a second release of client data this analysis does not cover"
 
     def __init__(self, clients_per_round: int, seed: int, num_clients: int, fraction_evaluate: float | None = None,
                  selector: ClientSelector | None = None, **settings: Any) -> None:

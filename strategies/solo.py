@@ -38,6 +38,8 @@ class Solo(Method):
 
     Settings = SoloSettings
     holds = PER_CLIENT
+    releases = ""
+    private_refused = "each client's model is kept and released as it trained it: no aggregation hides one client's data"
 
     def __init__(self, clients_per_round: int, seed: int, fraction_evaluate: float | None = None,
                  selector: ClientSelector | None = None, **settings: Any) -> None:

@@ -10,6 +10,7 @@ from fedmm.settings import Int, Nullable, Number, Settings, paired_objectives, s
 from strategies.aggregators import check_chain
 from strategies.defence import ONE_MODEL, DefenceSettings, refuse, refused_settings
 from strategies.heterogeneity import NEUTRAL, HeterogeneitySettings
+from strategies.privacy import OFF, PrivacySettings, check_privacy
 
 
 @dataclass
@@ -35,10 +36,12 @@ class StrategySettings(Settings):
                                        "(docs/reliability.md)")
     heterogeneity: HeterogeneitySettings = setting(HeterogeneitySettings(), help="client speeds, availability and "
                                                    "deadlines on a virtual clock (docs/async.md)")
+    privacy: PrivacySettings = setting(PrivacySettings(), help="central, client-level differential privacy "
+                                       "(docs/privacy.md)")
 
     #: Declared after runs were made: the values that reproduce those runs.
     added = {"max_num_examples": None, "defence": {"clip_update_norm": None},
-             "heterogeneity": NEUTRAL}
+             "heterogeneity": NEUTRAL, "privacy": OFF}
 
     def updates_per_round(self, run: Any) -> int:
         """The updates the defence stage and the run's mean see per round when every node
@@ -67,6 +70,7 @@ class StrategySettings(Settings):
             raise ConfigError("objective", run.objective.name, f"{' or '.join(paired)} with strategy {self.option} "
                               "(its clients run its objective: the records and state it keeps)")
         check_chain(self.defence, self.updates_per_round(run), self.updates_named)
+        check_privacy(self, run)
         held_out = run.partition.local_test_fraction
         if self.fraction_evaluate > 0 and not held_out:
             raise ConfigError(
