@@ -216,6 +216,7 @@ class Privacy:
         #: Why the run stopped early (``max_epsilon``), or "".
         self.stopped = ""
         self.selector: Any = None
+        self.last: dict[str, float] = {}
         #: The noise's generator: the operating system's entropy, kept in the checkpoint.
         self.seed = int(np.random.SeedSequence().entropy % (2**63))
         self.rng = np.random.default_rng(self.seed)
@@ -275,6 +276,10 @@ class Privacy:
         multi-model release, noise each. Returns the updates kept (a client-clipped update above
         C is rejected with its reason in ``rejected``)."""
         kept = []
+        norms = [update_norm(u.model, u.sent) for u in updates]
+        #: The round's update norms against C (how to choose C: docs/privacy.md).
+        self.last = {"dp_update_norm_median": float(np.median(norms)) if norms else 0.0,
+                     "dp_clipped_share": float(np.mean([n > self.clip for n in norms])) if norms else 0.0}
         for update, name in zip(updates, names):
             if self.settings.clipping == "client":
                 norm = update_norm(update.model, update.sent)

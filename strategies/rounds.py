@@ -63,6 +63,7 @@ def end(strategy: Method, server_round: int, updates: list[ClientUpdate], reject
     stand_ins: list[ClientUpdate] = []
     if updates and strategy.privacy is not None:  # clipped against the sent models (and, per model, noised)
         updates = strategy.privacy.stage(updates, rejected, [strategy.where(u.node_id, u.slot) for u in updates])
+        strategy.round_log.update(strategy.privacy.last)
     if updates:
         names = [strategy.where(u.node_id, u.slot) for u in updates]
         verdicts: list[Any] = []
