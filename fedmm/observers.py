@@ -21,7 +21,7 @@ it runs both emit to the run's :class:`Observers`:
 ``on_run_end(...)``      the run ends: (status, reason, the run's files)
 =======================  ===================================================================
 
-An observer must not change what it is shown. Imports nothing of either app (the ground layer).
+An observer must not change what it is shown; it may end the run (:class:`StopRun`). Imports nothing of either app (the ground layer).
 """
 
 from __future__ import annotations
@@ -31,6 +31,16 @@ import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+
+class StopRun(Exception):
+    """Raised by an observer to end the run at once, cleanly: the run's ``summary.json`` gets
+    ``status`` (e.g. ``pruned``) and ``reason``, its checkpoint is kept, and the runner returns the
+    run directory (no error)."""
+
+    def __init__(self, status: str, reason: str) -> None:
+        super().__init__(f"{status}: {reason}")
+        self.status, self.reason = status, reason
 
 
 class RunObserver:

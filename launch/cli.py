@@ -548,15 +548,13 @@ def _hydra_main(cfg: DictConfig) -> float | None:
     except Exception as err:  # noqa: BLE001 - JobFailed, or whatever else the run raised
         return _job_failed(job_dir, "run", err, started)
     print(f"fedmm: results written to {run_dir}", flush=True)
-    from launch.objective import task_value
-
-    return task_value(resolved, run_dir)  # the validation figure: what a hydra sweeper (Optuna) maximises
+    return None
 
 
 def _job_failed(job_dir: Path, stage: str, err: BaseException, started: float) -> None:
     """A job failed at ``stage``: mark it in its folder (:func:`fail_job`); a single run exits
     non-zero here, a sweep goes on with its other jobs (and ``main`` exits non-zero at the end).
-    The job returns None: a failed trial for hydra's Optuna sweeper (launch/objective.py)."""
+    The job returns None."""
     fail_job(job_dir, stage, err, started)
     if HydraConfig.get().mode != RunMode.MULTIRUN:
         if isinstance(err, ConfigError):

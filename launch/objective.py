@@ -1,10 +1,4 @@
-"""The value a ``fedmm`` job returns to hydra: the run's validation accuracy, so that hydra's
-Optuna sweeper can tune a setting (FedCross's ``strategy.alpha``, FedProx's ``objective.mu``):
-
-    fedmm -m +experiment=tune_fedcross_alpha
-    fedmm -m hydra/sweeper=optuna hydra.sweeper.direction=maximize strategy=fedprox \\
-        strategy.fraction_evaluate=1.0 partition.local_test_fraction=0.2 \\
-        'objective.mu=tag(log, interval(0.001, 1.0))'
+"""The figure a search maximises: a run's validation accuracy (``fedmm-search``, launch/search.py).
 
 **Validation, never the test split.** The figure is federated evaluation: each client evaluates
 the global model on its held-out rows (``partition.local_test_fraction`` of its data, split by
@@ -13,10 +7,10 @@ runner records the example-weighted ``federated_accuracy`` of every evaluated ro
 ``metrics.jsonl``. The test split (the ``accuracy`` column) plays no part in the choice. The
 held-out rows are the same in every trial as long as the search does not tune ``seed``,
 ``num_clients``, the partition, the dataset or ``strategy.fraction_evaluate``: a search that does
-is refused (:func:`check_search_space`). With ``strategy.fraction_evaluate=1.0`` (the presets) every
-client evaluates every round, so every trial is scored on the same rows; a smaller fraction
-scores each round on a seeded sample of the clients (the same clients in every trial, but fewer
-rows: a noisier figure).
+is refused (:func:`check_search_space`). With ``strategy.fraction_evaluate=1.0`` every client
+evaluates every round, so every trial is scored on the same rows; a smaller fraction scores each
+round on a seeded sample of the clients (the same clients in every trial, but fewer rows: a
+noisier figure).
 
 **Final, not best.** The figure is the mean federated accuracy of the last :data:`FINAL_ROUNDS`
 evaluated rounds (the last three rounds with the default ``eval_every=1``; fewer when the run has
@@ -27,20 +21,8 @@ last round alone depends on which clients trained in that one round (under non-I
 global model leans towards them); the mean of the last three smooths that out and still measures
 the end of training.
 
-**A failed trial.** hydra-optuna-sweeper 1.3.0 (with optuna 2.10.1) turns a job's return value
-into ``float(value)``: ``None`` fails that conversion and the trial is told ``FAIL``, and the
-search goes on (it logs the failure; with ``max_failure_rate`` 0 it then re-reads every job's
-return value, which raises only for a job that raised). ``NaN`` is worse there: ``study.tell``
-refuses a NaN value, and the sweeper's own fallback ``tell(FAIL, values=[nan])`` raises again,
-which ends the whole search. So a job without a finite figure returns ``None``, never NaN, and
-never raises. A search whose trials all failed has no best trial: the sweeper then raises at
-the end, after every job ran.
-
-**Checked before training.** :class:`SearchCheck` (a hydra callback every ``fedmm`` run has:
-``hydra.callbacks.fedmm_search`` in conf/config.yaml) refuses, before the first job, a search that tunes a key which
-changes the held-out rows, and, before each job trains, a job that records no validation
-figure (``strategy.fraction_evaluate`` or ``partition.local_test_fraction`` 0). Without the
-callback (removed from the config) the same job fails after its run (:func:`task_value`).
+**A failed trial.** A run whose last rounds have no finite figure has none (:class:`NoValidation`):
+the search records a failed trial and goes on.
 """
 
 from __future__ import annotations
@@ -52,7 +34,6 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from fedmm.errors import ConfigError
@@ -62,7 +43,7 @@ from fedmm.results import read_metrics
 FINAL_ROUNDS = 3
 #: The metrics.jsonl column of the clients' held-out rows (example-weighted over the clients).
 VALIDATION_METRIC = "federated_accuracy"
-#: What :func:`task_value` writes into the run directory: the figure, its rounds, its rows.
+#: What :func:`record_validation` writes into the run directory: the figure, its rounds, its rows.
 VALIDATION_FILE = "validation.json"
 #: Keys whose values decide which rows are held out (or which clients evaluate): a search may
 #: not tune them (a group choice, e.g. ``partition=iid,dirichlet``, or any key below it).
@@ -124,64 +105,21 @@ def check_validation(cfg: Any) -> None:
     for key in VALIDATION_KEYS:
         value = OmegaConf.select(cfg, key, default=0.0) if isinstance(cfg, DictConfig) else _lookup(cfg, key)
         if not value or float(value) <= 0:
-            raise ConfigError(key, value, f"a value > 0 under the Optuna sweeper: the search maximises the clients' "
+            raise ConfigError(key, value, f"a value > 0 in a search: it maximises the clients' "
                                           f"accuracy on held-out rows, which needs {' > 0 and '.join(VALIDATION_KEYS)} > 0 "
                                           f"(e.g. strategy.fraction_evaluate=1.0 partition.local_test_fraction=0.2)")
 
 
-def check_search_space(overrides: Iterable[str]) -> None:
-    """Refuse a search (hydra override strings, as ``hydra.sweeper.params`` and the command line
-    give them) that tunes one of :data:`HELD_OUT_KEYS`: each trial would be validated on other
-    rows, and the trials' figures would not compare. A fixed value of such a key is fine."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    for override in OverridesParser.create().parse_overrides(list(overrides)):
-        key = override.key_or_group
-        if override.is_sweep_override() and any(key == k or key.startswith(f"{k}.") for k in HELD_OUT_KEYS):
-            raise ConfigError(key, (override.input_line or "").partition("=")[2],
+def check_search_space(tuned: Mapping[str, Any]) -> None:
+    """Refuse a search that tunes one of :data:`HELD_OUT_KEYS` (``tuned``: key -> its range):
+    each trial would be validated on other rows, and the trials' figures would not compare. A
+    fixed value of such a key is fine."""
+    for key, space in tuned.items():
+        if any(key == k or key.startswith(f"{k}.") for k in HELD_OUT_KEYS):
+            raise ConfigError(key, space,
                               "a fixed value in a validation search: it decides which rows the clients hold out (and "
-                              "which clients evaluate), so each trial would be scored on other rows; tune it in an "
-                              "outer loop (one search per value), e.g. `fedmm -m ... seed=1`")
-
-
-def is_optuna_search(hydra_cfg: Any) -> bool:
-    """Whether ``hydra_cfg`` (the ``hydra`` node) is a multirun driven by the Optuna sweeper."""
-    target = str(OmegaConf.select(hydra_cfg, "sweeper._target_", default="") or "")
-    mode = str(OmegaConf.select(hydra_cfg, "mode", default="") or "")
-    return "optuna" in target.lower() and mode.endswith("MULTIRUN")
-
-
-def search_overrides(hydra_cfg: Any) -> list[str]:
-    """The overrides that define an Optuna search: ``hydra.sweeper.params`` and the command line's."""
-    params = OmegaConf.select(hydra_cfg, "sweeper.params", default=None) or {}
-    return [f"{key}={value}" for key, value in params.items()] + list(OmegaConf.select(hydra_cfg, "overrides.task", default=[]) or [])
-
-
-class SearchCheck(Callback):
-    """Hydra callback: refuse a bad Optuna search before anything trains (module docstring).
-
-    ``hydra.callbacks.fedmm_search: {_target_: launch.objective.SearchCheck}``; it does nothing
-    under any other sweeper. A refusal ends the search with the ConfigError's one line, as
-    ``fedmm`` reports a config error.
-    """
-
-    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        """Before the first job: no tuned key may change the held-out rows."""
-        if is_optuna_search(config.hydra):
-            _refuse_with(check_search_space, search_overrides(config.hydra))
-
-    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
-        """Before a job trains: its run records a validation figure (the trial's own config,
-        with the sweeper's fixed ``params``)."""
-        if is_optuna_search(config.hydra):
-            _refuse_with(check_validation, config)
-
-
-def _refuse_with(check: Any, *args: Any) -> None:
-    try:
-        check(*args)
-    except ConfigError as err:
-        raise SystemExit(str(err)) from None
+                              "which clients evaluate), so each trial would be scored on other rows; run one search "
+                              "per value (e.g. fedmm-search ... seed=1)")
 
 
 def _lookup(cfg: Any, dotted: str) -> Any:
@@ -193,29 +131,12 @@ def _lookup(cfg: Any, dotted: str) -> Any:
     return node
 
 
-# ------------------------------------------------------------------------------ the job's value
-def task_value(run: Any, run_dir: Path | str, search: bool | None = None) -> float | None:
-    """What a ``fedmm`` job returns to hydra: the run's validation figure, also written to
-    ``<run_dir>/validation.json`` (with its rounds and :func:`held_out_fingerprint`), or None.
-
-    None, under the Optuna sweeper, is a failed trial and the search goes on (module
-    docstring): a run whose last rounds have no finite validation figure. A job without the
-    validation settings is a config error there (SystemExit naming the key; :class:`SearchCheck`
-    catches it before training); outside an Optuna search it simply has no figure. ``search``:
-    whether this job is a trial of an Optuna search (None: as hydra's config of the job says).
-    """
-    if search is None:
-        from hydra.core.hydra_config import HydraConfig
-
-        search = HydraConfig.initialized() and is_optuna_search(HydraConfig.get())
-    if search:
-        _refuse_with(check_validation, run)
-    try:
-        value, rounds = validation_accuracy(read_metrics(run_dir))
-    except NoValidation as err:
-        if search:
-            print(f"fedmm: no validation figure in {run_dir}: {err}; Optuna records a failed trial", flush=True)
-        return None
+# ------------------------------------------------------------------------------ the record
+def record_validation(run: Any, run_dir: Path | str) -> float:
+    """The run's validation figure (:func:`validation_accuracy`), written to
+    ``<run_dir>/validation.json`` with its rounds and :func:`held_out_fingerprint`; raises
+    :class:`NoValidation` when the run has none."""
+    value, rounds = validation_accuracy(read_metrics(run_dir))
     record = {
         "validation_accuracy": value,
         "metric": VALIDATION_METRIC,
@@ -226,5 +147,4 @@ def task_value(run: Any, run_dir: Path | str, search: bool | None = None) -> flo
     from server_app.recording import write_atomic
 
     write_atomic(Path(run_dir, VALIDATION_FILE), json.dumps(record, indent=2) + "\n")
-    print(f"fedmm: validation accuracy {value:.4f} (clients' held-out rows, rounds {rounds[0]}-{rounds[-1]})", flush=True)
     return value

@@ -29,7 +29,7 @@ from fedmm.errors import ConfigError
 from fedmm.evaluation import evaluate as evaluate_model
 from fedmm.evaluation import resolve_device
 from fedmm.interrupt import raise_if_stopped
-from fedmm.observers import Observers, RunObserver
+from fedmm.observers import Observers, RunObserver, StopRun
 from fedmm.models import model_for
 from server_app.checkpoint import Checkpointer, load_checkpoint, restore_rng_states
 from server_app.recording import RunLock, RunRecorder, atomic_file, build_trackers, create_run_dir
@@ -331,6 +331,8 @@ def run_locked(grid: Grid, run: RunSettings, run_dir: Path, checkpoint: dict[str
                 np.savez(f, **{f"{i}/{k}": v for i, m in enumerate(pool) for k, v in m.items()})
         stopped = strategy.privacy.stopped if strategy.privacy is not None else ""
         status = {"status": "privacy_budget_spent", "reason": f"stopped before {stopped}"} if stopped else {"status": "completed"}
+    except StopRun as err:  # an observer ended the run (a search's pruner): not an error
+        status = {"status": err.status, "reason": err.reason}
     except KeyboardInterrupt:
         rounds_done = checkpoints.round if checkpoints else done
         status = {"status": "interrupted", "reason": f"interrupted after round {rounds_done} (resume=<this run dir> continues it)"}

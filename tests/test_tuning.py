@@ -1,16 +1,13 @@
-"""Hyper-parameter search with hydra's Optuna sweeper (launch/objective.py, conf/experiment/tune_*):
-a real 3-trial ``fedmm -m`` search whose best value is a trial's validation figure (the clients'
-held-out rows, never the test split, the same rows in every trial); the figure's rule (final, not
-best); the searches refused before training; a failed trial failing in Optuna while the search
-goes on (hydra-optuna-sweeper 1.3.0, optuna 2.10.1)."""
+"""Hyper-parameter search with Optuna's own study API (launch/search.py, launch/objective.py,
+conf/search/): a real 3-trial ``fedmm-search`` whose best value is a trial's validation figure (the
+clients' held-out rows, never the test split, the same rows in every trial), one trial pruned by its
+pruner (its run says so), the study resumed from its storage; the figure's rule (final, not best);
+the searches refused before the first trial."""
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,75 +15,86 @@ import numpy as np
 import optuna
 import pytest
 import yaml
-from hydra import compose as hydra_compose
-from hydra import initialize_config_dir
-from hydra.core.utils import JobReturn, JobStatus
-from hydra.utils import instantiate
-from omegaconf import OmegaConf
 
-from fedmm.config import CONF_DIR, compose, register_defaults, validate
+from fedmm.config import CONF_DIR, compose, validate
 from fedmm.data import load_partition
 from fedmm.errors import ConfigError
 from fedmm.results import read_metrics
-from launch.objective import (
-    FINAL_ROUNDS,
-    VALIDATION_FILE,
-    NoValidation,
-    SearchCheck,
-    check_search_space,
-    task_value,
-    validation_accuracy,
-)
+from launch.objective import FINAL_ROUNDS, VALIDATION_FILE, NoValidation, check_search_space, record_validation, validation_accuracy
+from launch.search import load_space, parse_dimension, run_search
 
-BIN = Path(sys.executable).parent
 #: A tiny federation: 4 clients, FedCross with K = 3 (with K = 2 the mean model, which clients
-#: evaluate, does not depend on α), LeNet, 2 local steps, 1 round.
-TINY = ["num_rounds=1", "num_clients=4", "clients_per_round=3", "model=lenet", "training.local_steps=2",
+#: evaluate, does not depend on α), LeNet, 2 local steps, 2 rounds.
+TINY = ["num_rounds=2", "num_clients=4", "clients_per_round=3", "model=lenet", "training.local_steps=2",
         "training.batch_size=20"]
+#: α of the three trials (a grid, in the sampler's seeded order); α = 0.5 is pruned (its first
+#: round's validation accuracy is below the threshold, which the other two pass).
+GRID = {"strategy.alpha": [0.5, 0.99, 0.999]}
 
 
 # ------------------------------------------------------------------------ a real 3-trial search
 @pytest.fixture(scope="module")
-def search(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """``fedmm -m +experiment=tune_fedcross_alpha`` with 3 trials on the embedded data: the sweep dir."""
+def search(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """``fedmm-search conf/search/fedcross_alpha.yaml`` with 3 trials of α on the embedded data
+    (a grid sampler over three values, a threshold pruner that prunes the worst), then resumed
+    with one more trial: the study, its storage, the run folders."""
     tmp = tmp_path_factory.mktemp("search")
-    sweep = tmp / "sweep"
-    cmd = [str(BIN / "fedmm"), "-m", "+experiment=tune_fedcross_alpha", "hydra.sweeper.n_trials=3", *TINY,
-           f"hydra.sweep.dir={sweep}"]
-    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=tmp, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return sweep
+    storage = f"sqlite:///{tmp / 'optuna.db'}"
+    common = [str(CONF_DIR / "search" / "fedcross_alpha.yaml"), *TINY, f"results_root={tmp / 'results'}",
+              "--storage", storage, "--sampler", "GridSampler", "--sampler-args", json.dumps({"search_space": GRID, "seed": 0}),
+              "--pruner", "ThresholdPruner", "--pruner-args", json.dumps({"lower": PRUNE_BELOW})]
+    study = run_search([*common, "--trials", "3"])
+    first = [(t.number, t.state) for t in study.trials]
+    resumed = run_search([*common, "--trials", "1", "--sampler", "RandomSampler", "--sampler-args", '{"seed": 1}'])
+    return {"study": study, "first": first, "resumed": resumed, "storage": storage, "root": tmp / "results" / "search"}
 
 
-def trials(sweep: Path) -> dict[Path, dict[str, Any]]:
-    """Each trial's run folder -> its recorded config (config.yaml)."""
-    return {run: yaml.safe_load((run / "config.yaml").read_text()) for run in sorted(sweep.glob("*_fedcross*"))}
+#: The threshold pruner's bound: α = 0.5 (an average of two models each round) is below it after
+#: round 1 on this federation, α near 1 above.
+PRUNE_BELOW = 0.25
 
 
-def test_the_search_maximises_the_validation_accuracy_of_its_trials_not_the_test_accuracy(search: Path) -> None:
+def trials(search: dict[str, Any]) -> dict[Path, dict[str, Any]]:
+    """Each completed trial's run folder -> its recorded config (config.yaml)."""
+    done = [t for t in search["resumed"].trials if t.state == optuna.trial.TrialState.COMPLETE]
+    return {Path(t.user_attrs["run_dir"]): yaml.safe_load((Path(t.user_attrs["run_dir"]) / "config.yaml").read_text())
+            for t in done}
+
+
+def test_a_trial_is_pruned_its_run_says_so_and_the_resumed_study_adds_trials(search: dict[str, Any]) -> None:
+    states = dict(search["first"])
+    assert len(states) == 3 and list(states.values()).count(optuna.trial.TrialState.PRUNED) == 1, states
+    pruned = next(t for t in search["study"].trials if t.state == optuna.trial.TrialState.PRUNED)
+    assert pruned.params == {"strategy.alpha": 0.5}
+    summary = json.loads((Path(pruned.user_attrs["run_dir"]) / "summary.json").read_text())
+    assert summary["status"] == "pruned" and "ThresholdPruner after round 1" in summary["reason"]
+    assert summary["rounds_completed"] <= 1
+    again = optuna.load_study(study_name="fedcross_alpha", storage=search["storage"])
+    assert [t.number for t in again.trials] == [0, 1, 2, 3]  # the resumed study added a trial, kept the three
+def test_the_search_maximises_the_validation_accuracy_of_its_trials_not_the_test_accuracy(search: dict[str, Any]) -> None:
     runs = trials(search)
-    assert len(runs) == 3 and len({cfg["strategy"]["alpha"] for cfg in runs.values()}) >= 2  # α was tuned
-    results = yaml.safe_load((search / "optimization_results.yaml").read_text())
+    study = search["resumed"]
+    assert len(runs) >= 2 and len({cfg["strategy"]["alpha"] for cfg in runs.values()}) >= 2  # α was tuned
     values = {}
     for run, cfg in runs.items():
         rows = read_metrics(run)
-        assert [r["round"] for r in rows] == [0, 1]
+        assert [r["round"] for r in rows] == [0, 1, 2]
         # the clients' accuracy on their held-out rows, as the round loop aggregated it
         federated = json.loads((run / "federated_evaluation.json").read_text())
         assert rows[1]["federated_accuracy"] == federated["1"]["accuracy"]
         recorded = json.loads((run / VALIDATION_FILE).read_text())
-        assert recorded["rounds"] == [1]  # fewer than FINAL_ROUNDS rounds: all of them
-        assert recorded["validation_accuracy"] == rows[1]["federated_accuracy"]
+        assert recorded["rounds"] == [1, 2]  # fewer than FINAL_ROUNDS rounds: all of them
+        assert recorded["validation_accuracy"] == pytest.approx(np.mean([rows[1]["federated_accuracy"], rows[2]["federated_accuracy"]]))
         values[run] = (cfg["strategy"]["alpha"], recorded["validation_accuracy"], [r["accuracy"] for r in rows])
-    best_alpha, best_value = results["best_params"]["strategy.alpha"], results["best_value"]
-    assert best_value == max(value for _, value, _ in values.values())  # what fedmm returned is what Optuna saw
-    (best_run,) = [run for run, (alpha, value, _) in values.items() if alpha == best_alpha and value == best_value]
+    best = study.best_trial
+    assert best.value == max(value for _, value, _ in values.values())  # what the run recorded is what Optuna saw
+    best_run = Path(best.user_attrs["run_dir"])
+    assert values[best_run][0] == best.params["strategy.alpha"]
     test_accuracy = values[best_run][2]
-    assert best_value not in (test_accuracy[-1], max(test_accuracy), float(np.mean(test_accuracy[1:])))
+    assert best.value not in (test_accuracy[-1], max(test_accuracy), float(np.mean(test_accuracy[1:])))
 
 
-def test_every_trial_was_validated_on_the_same_held_out_rows(search: Path) -> None:
+def test_every_trial_was_validated_on_the_same_held_out_rows(search: dict[str, Any]) -> None:
     runs = trials(search)
     fingerprints = {json.loads((run / VALIDATION_FILE).read_text())["held_out_rows_sha256"] for run in runs}
     assert len(fingerprints) == 1
@@ -99,7 +107,7 @@ def test_every_trial_was_validated_on_the_same_held_out_rows(search: Path) -> No
         # every client evaluated (fraction_evaluate=1.0): the round's examples are all held-out rows
         federated = json.loads((run / "federated_evaluation.json").read_text())
         assert {m["num-examples"] for m in federated.values()} == {sum(len(p.y) for p in parts)}
-    assert held_out[0] == held_out[1] == held_out[2]
+    assert all(h == held_out[0] for h in held_out)
 
 
 # ------------------------------------------------------------------------ the figure
@@ -139,119 +147,87 @@ def write_run(run_dir: Path, federated: list[float | None]) -> Path:
     return run_dir
 
 
-def test_a_trial_returns_its_figure_and_records_it(tmp_path: Path, run_settings: Any, capsys: pytest.CaptureFixture) -> None:
+def test_a_trial_records_its_figure(tmp_path: Path, run_settings: Any) -> None:
     run = write_run(tmp_path / "run", [0.2, 0.4, 0.5, 0.6])
-    assert task_value(run_settings, run, search=True) == pytest.approx(0.5)
+    assert record_validation(run_settings, run) == pytest.approx(0.5)
     recorded = json.loads((run / VALIDATION_FILE).read_text())
     assert recorded["validation_accuracy"] == pytest.approx(0.5) and recorded["rounds"] == [2, 3, 4]
     assert len(recorded["held_out_rows_sha256"]) == 64
-    assert "validation accuracy 0.5000" in capsys.readouterr().out
 
 
-def test_a_failed_trial_returns_none_never_nan(tmp_path: Path, run_settings: Any, capsys: pytest.CaptureFixture) -> None:
+def test_a_run_without_a_figure_records_none(tmp_path: Path, run_settings: Any) -> None:
     run = write_run(tmp_path / "run", [0.4, 0.5, None])  # e.g. a diverged model: every NaN evaluate reply rejected
-    assert task_value(run_settings, run, search=True) is None
-    assert "round 3 has no finite federated_accuracy" in capsys.readouterr().out
+    with pytest.raises(NoValidation, match="round 3 has no finite federated_accuracy"):
+        record_validation(run_settings, run)
     assert not (run / VALIDATION_FILE).exists()
 
 
-def test_a_trial_without_validation_settings_is_a_config_error_under_optuna_only(tmp_path: Path) -> None:
-    plain = compose(["strategy=fedcross", *TINY])  # fraction_evaluate 0, local_test_fraction 0: the defaults
-    run = write_run(tmp_path / "run", [])
-    with pytest.raises(SystemExit, match=r"strategy\.fraction_evaluate=0\.0 is invalid"):
-        task_value(plain, run, search=True)
-    assert task_value(plain, run, search=False) is None  # a plain run or sweep: no figure, no error
+def test_a_failed_trial_fails_in_optuna_and_the_search_goes_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Trials whose job fails or records no figure are FAIL; the others count (no training: each
+    trial's run is written by a stand-in for the job)."""
+    import launch.cli
+    from launch.cli import JobFailed
+
+    figures = iter([[0.3, 0.4], "raise", [0.5, None], [0.6, 0.7]])
+
+    def fake_job(cfg: dict, observers: Any = ()) -> Path:
+        out = Path(cfg["output_dir"])
+        figure = next(figures)
+        if figure == "raise":
+            raise JobFailed("ClientOutOfMemory: the trial's job failed")
+        write_run(out, figure)
+        (out / "summary.json").write_text(json.dumps({"status": "completed"}))
+        return out
+
+    monkeypatch.setattr(launch.cli, "run_job", fake_job)
+    study = run_search([str(CONF_DIR / "search" / "fedcross_alpha.yaml"), *TINY, f"results_root={tmp_path}",
+                        "--storage", f"sqlite:///{tmp_path / 's.db'}", "--trials", "4", "--sampler", "RandomSampler",
+                        "--sampler-args", '{"seed": 0}'])
+    states = [t.state for t in study.trials]
+    assert states == [optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL, optuna.trial.TrialState.FAIL,
+                      optuna.trial.TrialState.COMPLETE]
+    assert study.best_value == pytest.approx(0.65)
 
 
-# ------------------------------------------------------------------------ refused before training
-@pytest.mark.parametrize("override", ["seed=choice(0,1)", "partition=iid,dirichlet", "partition.alpha=interval(0.1,1.0)",
-                                      "num_clients=range(4,8)", "strategy.fraction_evaluate=choice(0.5,1.0)",
-                                      "dataset=mnist5k,mnist"])
-def test_a_search_that_tunes_the_held_out_rows_is_refused(override: str) -> None:
+# ------------------------------------------------------------------------ refused before the first trial
+@pytest.mark.parametrize("key", ["seed", "partition", "partition.alpha", "num_clients", "strategy.fraction_evaluate",
+                                 "dataset"])
+def test_a_search_that_tunes_the_held_out_rows_is_refused(key: str) -> None:
     with pytest.raises(ConfigError) as err:
-        check_search_space(["strategy.alpha=choice(0.5,0.9)", override])
-    assert err.value.key == override.split("=")[0]
+        check_search_space({"strategy.alpha": "choice(0.5, 0.9)", key: "choice(...)"})
+    assert err.value.key == key
 
 
 def test_a_search_with_fixed_held_out_keys_is_fine() -> None:
-    check_search_space(["seed=1", "partition.alpha=0.1", "strategy.alpha=interval(0.5,0.999)",
-                        "objective.mu=tag(log, interval(0.001, 1.0))", "training.lr=choice(0.01,0.05)"])
+    check_search_space({"strategy.alpha": "float(0.5, 0.999)", "objective.mu": "float(0.001, 1.0, log)",
+                        "training.lr": "choice(0.01, 0.05)"})
 
 
-def preset_config(name: str, *overrides: str) -> Any:
-    """The preset as hydra composes it for ``fedmm -m``, hydra node included."""
-    register_defaults()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        cfg = hydra_compose(config_name="config", overrides=[f"+experiment={name}", *overrides], return_hydra_config=True)
-    OmegaConf.update(cfg, "hydra.mode", "MULTIRUN", force_add=True)
-    return cfg
+@pytest.mark.parametrize(("args", "key", "words"), [
+    (["--param", "strategy.alpha=choice(0.5, 1.5)"], "search.strategy.alpha", "1.5 is not"),
+    (["--param", "training.lr=float(0.3, 0.001)"], "search.training.lr", "low < high"),
+    (["--param", "training.lr=float(0, 0.1, log)"], "search.training.lr", "low > 0"),
+    (["--param", "training.lr=uniform(0, 1)"], "search.training.lr", "float(low, high"),
+    (["--param", "seed=choice(0, 1)"], "seed", "a fixed value"),
+    (["--param", "training.lr=float(0.01, 0.1)", "strategy=fedcross"], "strategy.fraction_evaluate", "a value > 0"),
+    (["--sampler", "TPE"], "--sampler", "TPESampler"),
+    (["--pruner", "MedianPruner", "--pruner-args", '{"n_warmup": 1}'], "--pruner-args", "keyword arguments"),
+])
+def test_a_bad_search_is_refused_before_the_first_trial_naming_the_value(tmp_path: Path, args: list[str], key: str,
+                                                                          words: str) -> None:
+    base = [] if any(a.startswith("strategy=") for a in args) else \
+        [str(CONF_DIR / "search" / "fedcross_alpha.yaml")]
+    with pytest.raises(ConfigError) as err:
+        run_search([*base, *TINY, f"results_root={tmp_path}", "--storage", f"sqlite:///{tmp_path / 's.db'}", *args])
+    assert err.value.key == key and words in str(err.value), err.value
+    assert not (tmp_path / "search").exists() or not any((tmp_path / "search").rglob("summary.json"))
 
 
-@pytest.mark.parametrize("name", ["tune_fedcross_alpha", "tune_fedprox_mu"])
-def test_the_presets_search_check_refuses_bad_searches(name: str) -> None:
-    cfg = preset_config(name)
-    assert cfg.hydra.sweeper.direction == "maximize" and cfg.hydra.sweeper.sampler.seed == 0
-    assert cfg.strategy.fraction_evaluate == 1.0 and cfg.partition.local_test_fraction > 0
-    check = instantiate(cfg.hydra.callbacks.fedmm_search)  # every fedmm run has it (conf/config.yaml)
-    assert isinstance(check, SearchCheck)
-    check.on_multirun_start(cfg)
-    check.on_job_start(cfg, task_function=None)  # the preset itself passes
-    OmegaConf.update(cfg, "hydra.sweeper.params", {**cfg.hydra.sweeper.params, "seed": "choice(0,1)"}, merge=False)
-    with pytest.raises(SystemExit, match=r"seed='choice\(0,1\)' is invalid"):
-        check.on_multirun_start(cfg)
-    with pytest.raises(SystemExit, match=r"partition\.local_test_fraction=0\.0 is invalid"):
-        check.on_job_start(preset_config(name, "partition.local_test_fraction=0.0"), task_function=None)
-    OmegaConf.update(cfg, "hydra.sweeper._target_", "hydra._internal.core_plugins.basic_sweeper.BasicSweeper")
-    check.on_multirun_start(cfg)  # another sweeper: nothing to check
-
-
-# ------------------------------------------------------------------------ a failed trial in Optuna
-class Launcher:
-    """The sweeper's launcher, returning what ``fedmm`` returns for each trial's run."""
-
-    def __init__(self, returns: list[Any]) -> None:
-        self.returns = list(returns)
-
-    def launch(self, job_overrides: list[Any], initial_job_idx: int) -> list[JobReturn]:
-        out = []
-        for _ in job_overrides:
-            ret = JobReturn(overrides=[], status=JobStatus.COMPLETED)
-            ret.return_value = self.returns.pop(0)
-            out.append(ret)
-        return out
-
-
-def optuna_search(tmp_path: Path, returns: list[Any], monkeypatch: pytest.MonkeyPatch) -> optuna.Study:
-    """hydra-optuna-sweeper's own search loop over 3 trials of ``strategy.alpha`` whose jobs
-    return ``returns``; the study it made."""
-    from hydra_plugins.hydra_optuna_sweeper._impl import OptunaSweeperImpl
-
-    studies = []
-    create_study = optuna.create_study
-    monkeypatch.setattr(optuna, "create_study", lambda **kw: studies.append(create_study(**kw)) or studies[-1])
-    sweeper = OptunaSweeperImpl(sampler=optuna.samplers.TPESampler(seed=0), direction="maximize", storage=None,
-                                study_name="s", n_trials=len(returns), n_jobs=1, max_failure_rate=0.0, search_space=None,
-                                custom_search_space=None, params=OmegaConf.create({"strategy.alpha": "choice(0.5,0.9,0.99)"}))
-    sweeper.config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}})
-    sweeper.hydra_context, sweeper.launcher = object(), Launcher(returns)
-    sweeper.sweep([])
-    return studies[0]
-
-
-def test_a_failed_trial_fails_in_optuna_and_the_search_goes_on(tmp_path: Path, run_settings: Any,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    returns = [task_value(run_settings, write_run(tmp_path / f"run{i}", federated), search=True)
-               for i, federated in enumerate([[0.3, 0.4], [0.5, None], [0.6, 0.7]])]
-    assert returns[1] is None
-    study = optuna_search(tmp_path, returns, monkeypatch)
-    assert [t.state for t in study.trials] == [optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL,
-                                               optuna.trial.TrialState.COMPLETE]
-    results = yaml.safe_load((tmp_path / "optimization_results.yaml").read_text())
-    assert results["best_value"] == pytest.approx(0.65)
-
-
-def test_nan_would_end_the_search_in_this_sweeper(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Why a failed trial returns None: the sweeper tells NaN as COMPLETE, optuna refuses it, and
-    the sweeper's fallback (FAIL with the NaN value) raises out of the search."""
-    with pytest.raises(ValueError, match="Values were told"):
-        optuna_search(tmp_path, [0.4, math.nan, 0.6], monkeypatch)
+def test_the_space_files_and_the_parameter_syntax_parse() -> None:
+    overrides, space = load_space(CONF_DIR / "search" / "fedprox_mu.yaml", ["training.lr=float(0.001, 0.3, log)",
+                                                                           "training.local_epochs=int(1, 5)"])
+    assert "strategy=fedprox" in overrides and space["objective.mu"].choices == (0.001, 0.01, 0.1, 0.5, 1.0)
+    assert space["training.lr"].log and space["training.local_epochs"].kind == "int"
+    assert parse_dimension("x", {"float": [0.5, 0.999]}).high == 0.999
+    assert parse_dimension("strategy.selection", "choice(in-order, lowest-similarity)").choices == ("in-order",
+                                                                                                  "lowest-similarity")
