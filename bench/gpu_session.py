@@ -374,7 +374,7 @@ class Session:
 #: (what a GPU does not shorten: process starts, imports, data, set-up; 2.4, 3.7, 8.3 per process,
 #: 4.6, 5.8 and 5.2 s on a 2-core CPU) plus the GPU work estimated from each step's SGD steps at
 #: the launch-bound 1-6 ms a step of these small models, times a margin of 1.5 to 4 (the large
-#: margins on the steps that matter most; docs/performance.md section 5 has the table). Unused
+#: margins on the steps that matter most; docs/gpu.md, 'Measuring on a lent GPU', has the table). Unused
 #: seconds roll over, and ``--resume`` finishes what a tight plan leaves.
 PLAN: dict[str, float] = {"machine": 20, "cuda_tests": 90, "e2e": 170, "vectorized": 90, "cifar_round": 60, "throughput": 50}
 #: Each step's JSON under --out (the machine's facts go into gpu_session.json itself).

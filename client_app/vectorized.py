@@ -379,7 +379,7 @@ def train_messages(messages: Sequence[Any], contexts: Sequence[Any]) -> list[Any
     for a message that trains alone: the only one of its round), in order, or None when these
     messages train one at a time (``vectorize: off``, one message,
     an objective or model that does not vectorize, or, under ``auto``, the CPU: measured slower
-    there in the papers' shapes, docs/performance.md section 8). ``contexts``: each
+    there in the papers' shapes, docs/performance.md, 'Vectorized rounds'). ``contexts``: each
     message's node context (its ``state`` is written as the ClientApp would write it)."""
     from fedmm import protocol
     from fedmm.config import client_run, not_vectorized

@@ -188,7 +188,7 @@ def cuda_memory_advice(run: RunSettings, what: str) -> Iterator[None]:
                       f"server's central evaluation); lower training.batch_size={run.training.batch_size}, or start "
                       f"fedmm with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
         raise ClientOutOfMemory(
-            f"CUDA out of memory during {what}{free_text}: {advice}; docs/performance.md, 'CUDA out of memory'. "
+            f"CUDA out of memory during {what}{free_text}: {advice}; docs/gpu.md, 'CUDA out of memory'. "
             f"[{str(err).splitlines()[0][:200]}]"
         ) from None
 

@@ -156,7 +156,7 @@ class SimulationSettings(Settings):
     vectorize: str = setting("auto", Choice(*VECTORIZE),
                              "local engine: train a round's clients as one computation (client_app/vectorized.py). "
                              "auto: on CUDA, where the objective and model allow it; on the CPU one at a time "
-                             "(faster there for the papers' shapes, docs/performance.md section 8) | on: also on the "
+                             "(faster there for the papers' shapes, docs/performance.md, 'Vectorized rounds') | on: also on the "
                              "CPU (refuses an objective or model that does not allow it) | off: one at a time (on the ray "
                              "engine auto and off alike: one ClientApp call per message)")
     vectorize_clients: int | None = setting(None, Nullable(Int(min=1), "null (all of a round's) or an integer >= 1"),

@@ -235,7 +235,7 @@ SERVER_STOP_WAIT_S = 60.0
 #: The niceness of the ClientApp workers of a Ray this job starts (Ray's own default is 15, below
 #: the driver's 0): the workers do the simulation's training, and at 15 any other busy process on
 #: the machine takes nearly all the CPU from them (a worker that got 8 s of CPU in 6 minutes beside
-#: two busy processes on 2 cores, docs/performance.md section 9). An environment that sets
+#: two busy processes on 2 cores, bench/log/performance.md section 9). An environment that sets
 #: ``RAY_worker_niceness`` keeps its value; an attached cluster keeps its raylets' setting.
 WORKER_NICENESS = ("RAY_worker_niceness", "0")
 

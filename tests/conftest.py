@@ -64,7 +64,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
 # lock, shared by the session's workers, while it runs; a module marked so (its Ray started by a
 # module fixture) holds it for the whole module. (What looked like a hung ClientApp actor with
 # three workers was Ray's worker niceness, 15, starving it beside the other workers' tests; a Ray
-# that fedmm starts runs its workers at 0: docs/performance.md, section 9.)
+# that fedmm starts runs its workers at 0: bench/log/performance.md, section 9.)
 
 
 @contextlib.contextmanager

@@ -234,7 +234,7 @@ def test_a_renamed_setting_in_a_doc_command_fails_the_check(tmp_path: Path) -> N
 # ------------------------------------------------------------------------------ links
 def slug(heading: str) -> str:
     """GitHub's anchor of a Markdown heading."""
-    text = re.sub(r"[`*_]", "", heading.strip().lower())
+    text = re.sub(r"[`*]", "", heading.strip().lower())  # underscores stay, as on GitHub
     text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", text)
     text = re.sub(r"[^\w\- ]", "", text)
     return text.replace(" ", "-")

@@ -24,12 +24,14 @@ from launch.objective import FINAL_ROUNDS, VALIDATION_FILE, NoValidation, check_
 from launch.search import load_space, parse_dimension, run_search
 
 #: A tiny federation: 4 clients, FedCross with K = 3 (with K = 2 the mean model, which clients
-#: evaluate, does not depend on α), LeNet, 2 local steps, 2 rounds.
-TINY = ["num_rounds=2", "num_clients=4", "clients_per_round=3", "model=lenet", "training.local_steps=2",
+#: evaluate, does not depend on α), LeNet, 20 local steps, 2 rounds.
+TINY = ["num_rounds=2", "num_clients=4", "clients_per_round=3", "model=lenet", "training.local_steps=20",
         "training.batch_size=20"]
-#: α of the three trials (a grid, in the sampler's seeded order); α = 0.5 is pruned (its first
-#: round's validation accuracy is below the threshold, which the other two pass).
-GRID = {"strategy.alpha": [0.5, 0.99, 0.999]}
+#: The three trials (a grid, in the sampler's seeded order): the learning rate 1e-6 learns nothing,
+#: so its first round's validation accuracy (chance, ~0.10) is below the pruner's threshold,
+#: which the other two pass (~0.19 after round 1).
+GRID = {"strategy.alpha": [0.99], "training.lr": [1e-06, 0.05, 0.1]}
+PARAM = "training.lr=choice(1e-06, 0.05, 0.1)"
 
 
 # ------------------------------------------------------------------------ a real 3-trial search
@@ -41,7 +43,7 @@ def search(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("search")
     storage = f"sqlite:///{tmp / 'optuna.db'}"
     common = [str(CONF_DIR / "search" / "fedcross_alpha.yaml"), *TINY, f"results_root={tmp / 'results'}",
-              "--storage", storage, "--sampler", "GridSampler", "--sampler-args", json.dumps({"search_space": GRID, "seed": 0}),
+              "--param", PARAM, "--storage", storage, "--sampler", "GridSampler", "--sampler-args", json.dumps({"search_space": GRID, "seed": 0}),
               "--pruner", "ThresholdPruner", "--pruner-args", json.dumps({"lower": PRUNE_BELOW})]
     study = run_search([*common, "--trials", "3"])
     first = [(t.number, t.state) for t in study.trials]
@@ -49,9 +51,8 @@ def search(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"study": study, "first": first, "resumed": resumed, "storage": storage, "root": tmp / "results" / "search"}
 
 
-#: The threshold pruner's bound: α = 0.5 (an average of two models each round) is below it after
-#: round 1 on this federation, α near 1 above.
-PRUNE_BELOW = 0.25
+#: The threshold pruner's bound (see GRID).
+PRUNE_BELOW = 0.15
 
 
 def trials(search: dict[str, Any]) -> dict[Path, dict[str, Any]]:
@@ -65,7 +66,7 @@ def test_a_trial_is_pruned_its_run_says_so_and_the_resumed_study_adds_trials(sea
     states = dict(search["first"])
     assert len(states) == 3 and list(states.values()).count(optuna.trial.TrialState.PRUNED) == 1, states
     pruned = next(t for t in search["study"].trials if t.state == optuna.trial.TrialState.PRUNED)
-    assert pruned.params == {"strategy.alpha": 0.5}
+    assert pruned.params == {"strategy.alpha": 0.99, "training.lr": 1e-06}
     summary = json.loads((Path(pruned.user_attrs["run_dir"]) / "summary.json").read_text())
     assert summary["status"] == "pruned" and "ThresholdPruner after round 1" in summary["reason"]
     assert summary["rounds_completed"] <= 1
@@ -74,7 +75,7 @@ def test_a_trial_is_pruned_its_run_says_so_and_the_resumed_study_adds_trials(sea
 def test_the_search_maximises_the_validation_accuracy_of_its_trials_not_the_test_accuracy(search: dict[str, Any]) -> None:
     runs = trials(search)
     study = search["resumed"]
-    assert len(runs) >= 2 and len({cfg["strategy"]["alpha"] for cfg in runs.values()}) >= 2  # α was tuned
+    assert len(runs) >= 2 and len({cfg["training"]["lr"] for cfg in runs.values()}) >= 2  # the learning rate was tuned
     values = {}
     for run, cfg in runs.items():
         rows = read_metrics(run)
@@ -85,11 +86,11 @@ def test_the_search_maximises_the_validation_accuracy_of_its_trials_not_the_test
         recorded = json.loads((run / VALIDATION_FILE).read_text())
         assert recorded["rounds"] == [1, 2]  # fewer than FINAL_ROUNDS rounds: all of them
         assert recorded["validation_accuracy"] == pytest.approx(np.mean([rows[1]["federated_accuracy"], rows[2]["federated_accuracy"]]))
-        values[run] = (cfg["strategy"]["alpha"], recorded["validation_accuracy"], [r["accuracy"] for r in rows])
+        values[run] = (cfg["training"]["lr"], recorded["validation_accuracy"], [r["accuracy"] for r in rows])
     best = study.best_trial
     assert best.value == max(value for _, value, _ in values.values())  # what the run recorded is what Optuna saw
     best_run = Path(best.user_attrs["run_dir"])
-    assert values[best_run][0] == best.params["strategy.alpha"]
+    assert values[best_run][0] == best.params["training.lr"]
     test_accuracy = values[best_run][2]
     assert best.value not in (test_accuracy[-1], max(test_accuracy), float(np.mean(test_accuracy[1:])))
 
