@@ -264,3 +264,31 @@ def test_one_clients_failure_is_its_own_as_on_the_sequential_path(tmp_path: Path
     assert [r.get("replies") for r in together] == [r.get("replies") for r in alone]
     assert any(r.get("replies", 3) < 3 for r in together)  # some sampled node failed
     assert_same_results(together, alone)
+
+
+def test_an_expired_train_message_never_reaches_the_batch_and_is_an_unavailable_reply() -> None:
+    """The batched path keeps Flower's TTL: a train message whose TTL ran out before delivery is
+    taken out of the batch and answered with MESSAGE_UNAVAILABLE; the others train together."""
+    import time
+
+    batched: list[int] = []
+
+    def train_batch(messages: list[Message], contexts: list[Context]) -> list[Any] | None:
+        batched.append(len(messages))
+        return [Message(RecordDict({"m": MetricRecord({"together": 1})}), reply_to=m) for m in messages]
+
+    def main(grid: Grid) -> Any:
+        nodes = list(grid.get_node_ids())
+        msgs = [Message(RecordDict({"config": ConfigRecord({})}), node, "train") for node in nodes[:3]]
+        msgs[1].metadata.ttl = 0.2
+        ids = grid.push_messages(msgs)
+        time.sleep(0.4)
+        replies = grid.pull_messages(ids)
+        rest = set(ids) - {r.metadata.reply_to_message_id for r in replies}
+        return ids, replies + (grid.pull_messages(rest) if rest else [])
+
+    ids, replies = serve(main, train_batch)
+    by_id = {r.metadata.reply_to_message_id: r for r in replies}
+    assert batched == [2]
+    assert by_id[ids[1]].error.code == ErrorCode.MESSAGE_UNAVAILABLE
+    assert dict(by_id[ids[0]].content["m"]) == {"together": 1} and dict(by_id[ids[2]].content["m"]) == {"together": 1}
