@@ -239,3 +239,26 @@ def test_an_evaluate_error_reply_for_a_lost_node_blames_the_node_the_message_wen
     with caplog.at_level("WARNING"):
         FedAvg(clients_per_round=3, seed=0, fraction_evaluate=1.0).start(grid, initial(), num_rounds=1, final_report=False)
     assert f"1 evaluate reply rejected (node {grid.lost}): client error: Reply message objects are unavailable" in caplog.text
+
+
+def test_every_default_of_a_method_is_what_the_base_declares() -> None:
+    """A method that declares only its settings and aggregate gets: one model, model 0 for every
+    slot, nothing sent or expected besides the model, the synchronous driver, its model stepped by
+    a server optimizer when one is given, a mean release under DP, frozen arrays after a round."""
+    from strategies.defence import ONE_MODEL
+    from strategies.method import Method
+    from strategies.rounds import SyncRound
+
+    class Minimal(Method):
+        def aggregate(self, server_round, updates, mean):  # noqa: ANN001, ANN202
+            self.models = [mean([u.model for u in updates])]
+            return self.models[0]
+
+    m = Minimal(3, seed=0)
+    assert (m.holds, m.Driver, m.global_is_next, m.releases, m.private_refused) == (ONE_MODEL, SyncRound, True, "mean", "")
+    assert Minimal.steps_one_model() and not m.writable_updates
+    m.initialize({"w": np.zeros(2, np.float32)})
+    assert m.models[0] is m.global_model and [m.model_for_slot(i) for i in range(3)] == [0, 0, 0]
+    assert m.extra_records(1, 0) == {} and m.reply_extras(1) == {} and m.reply_metrics() == ()
+    assert m.prepare_round(1, None) is None and m.optimizer is None and m.privacy is None
+    assert set(m.state_dict()) >= {"models", "global_model", "rng", "selector", "accepted_rounds", "clock"}
