@@ -409,3 +409,27 @@ def test_a_local_simulation_imports_no_ray() -> None:
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split()[-2:] == ["False", "False"]
+
+
+def test_the_unavailable_replies_are_flowers_own() -> None:
+    """The engine's reply for an unknown or expired message, and for a reply that expired, has
+    the metadata and error Flower's link state gives them (all but the fresh id and the time)."""
+    from flwr.app.metadata import Metadata
+    from flwr.server.superlink.linkstate.utils import (
+        create_message_error_unavailable_ins_message,
+        create_message_error_unavailable_res_message,
+    )
+
+    from fedmm.local_engine import _unavailable
+
+    def fields(msg: Message) -> dict:
+        m = msg.metadata
+        return {"run_id": m.run_id, "src": m.src_node_id, "dst": m.dst_node_id, "reply_to": m.reply_to_message_id,
+                "group": m.group_id, "type": m.message_type, "ttl": round(m.ttl), "code": msg.error.code,
+                "reason": msg.error.reason, "src_task": m.src_task_id, "dst_task": m.dst_task_id}
+
+    assert fields(_unavailable("abc", 7, None, False)) == fields(create_message_error_unavailable_ins_message("abc", 7))
+    ins = Metadata(run_id=7, message_id="m1", src_node_id=1, dst_node_id=5, reply_to_message_id="", group_id="g",
+                   created_at=time.time() - 10, ttl=100.0, message_type="train", src_task_id=3, dst_task_id=4)
+    ours, theirs = _unavailable("m1", 7, ins, True), create_message_error_unavailable_res_message(ins, "msg_unavail")
+    assert fields(ours) == fields(theirs) and ours.metadata.message_id
