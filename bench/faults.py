@@ -112,12 +112,12 @@ PER_MODEL = ("strategy.defence.norm_screen=3.0", "strategy.defence.refill=median
 #: Left out of DEFENCE for :data:`PER_MODEL_METHODS`: there ``sign_screen`` rejects free riders
 #: and ``norm_screen`` boosted updates, and the cosine screen's only further rejections were
 #: honest updates nearly orthogonal to the median under label skew (one in the last round of a
-#: clean FedMR run cost it 11.5 points at seed 2: docs/reliability.md).
+#: clean FedMR run cost it 11.5 points at seed 2: docs/defences.md, "What the bench turns on").
 NOT_PER_MODEL = ("strategy.defence.screen=0.0",)
 #: The methods whose K models persist from round to round (each slot's trained model, recombined
 #: or fused, is a model of the next round). FedMut draws its K models afresh around one global
 #: model every round, so an outlier is one summand of a mean, as in FedAvg: it keeps DEFENCE
-#: alone (with two hostile nodes of ten PER_MODEL did worse there: docs/reliability.md).
+#: alone (with two hostile nodes of ten PER_MODEL did worse there: docs/defences.md, "What the bench turns on").
 PER_MODEL_METHODS = ("fedmr", "fedcross", "fedmr_async", "fedcross_async")
 #: The backdoor's target class and trigger (a white square in the bottom-right corner).
 TARGET, TRIGGER = 0, 4

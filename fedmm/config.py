@@ -355,7 +355,7 @@ class RunSettings(Settings):
     round_timeout: float = setting(3600, Number(gt=0, allowed="seconds > 0"), "seconds to wait for the replies of one round")
     results_root: str = setting("~/fedmm-results", Str(), "`flwr run` results go to <results_root>/<timestamp>_...")
     output_dir: str | None = setting(None, Nullable(Str(), "null or a directory path"), "write into this exact directory")
-    tracking: TrackingSettings = setting(TrackingSettings(), help="experiment trackers (docs/usage.md)")
+    tracking: TrackingSettings = setting(TrackingSettings(), help="experiment trackers (docs/lab.md)")
     objective: Settings = field(default=None)  # type: ignore[assignment]
     selection: Settings = field(default=None)  # type: ignore[assignment]
     server_optimizer: Settings = field(default=None)  # type: ignore[assignment]

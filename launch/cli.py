@@ -320,7 +320,7 @@ FAILED_JOBS: list[tuple[str, str]] = []
 # fedmm_submitit_local, fedmm_ray) write ``${fedmm_cpus:...}`` etc.; every value stays overridable
 # (``hydra.launcher.cpus_per_task=8``). Hydra resolves the launcher's config once per sweep, from
 # the sweep-level config (the command line without its swept values): every job of one
-# ``fedmm -m`` gets the same request (docs/usage.md).
+# ``fedmm -m`` gets the same request (docs/lab.md).
 
 #: CPU cores for a job on the in-process engine: one ClientApp trains at a time, in fedmm's own
 #: process, on torch's threads (as many as the job gets); the server evaluates between rounds.

@@ -33,7 +33,7 @@ class StrategySettings(Settings):
                                            "rejected): bounds one client's share of an example-weighted mean")
 
     defence: DefenceSettings = setting(DefenceSettings(), help="optional defences against hostile updates "
-                                       "(docs/reliability.md)")
+                                       "(docs/defences.md)")
     heterogeneity: HeterogeneitySettings = setting(HeterogeneitySettings(), help="client speeds, availability and "
                                                    "deadlines on a virtual clock (docs/async.md)")
     privacy: PrivacySettings = setting(PrivacySettings(), help="central, client-level differential privacy "

@@ -8,7 +8,7 @@ before the last depends on ``num_rounds``; evaluation is every round).
 redesign) with torch 2.14.1, the version ``constraints.txt`` pins. Byte and reply counts must
 match exactly; accuracy to ``ACCURACY_TOL`` and the test loss to ``LOSS_REL``: the same code and
 torch build on another CPU (its oneDNN / MKL kernels sum in another order) drifts from round 2
-on (docs/architecture.md, "Same results").
+on (docs/reproduce.md, "Same results").
 
 FedMR and FedCross are checked through the resume path: a real ``fedmm`` FedMR run killed with
 SIGKILL after its round-1 checkpoint, then ``fedmm resume=<dir>`` (here, in process), and a FedCross
