@@ -433,3 +433,46 @@ def test_the_unavailable_replies_are_flowers_own() -> None:
                    created_at=time.time() - 10, ttl=100.0, message_type="train", src_task_id=3, dst_task_id=4)
     ours, theirs = _unavailable("m1", 7, ins, True), create_message_error_unavailable_res_message(ins, "msg_unavail")
     assert fields(ours) == fields(theirs) and ours.metadata.message_id
+
+
+def test_error_replies_are_messages_of_their_own_and_say_what_raised() -> None:
+    """Every error reply has an id of its own (the server tells replies apart by it), the
+    exception's own line first, then its traceback; a changed run_config is Flower's UNKNOWN error."""
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        if int(msg.content["config"]["round"]) == 2:
+            context.run_config["changed"] = 1
+            return Message(RecordDict(), reply_to=msg)
+        raise ValueError("broken here")
+
+    def main(grid: Grid) -> Any:
+        nodes = list(grid.get_node_ids())
+        raised = grid.send_and_receive([train_message(n, round=1) for n in nodes], timeout=30)
+        changed = grid.send_and_receive([train_message(nodes[0], round=2)], timeout=30)
+        return raised, changed[0]
+
+    raised, changed = serve(main, app)
+    ids = [r.metadata.message_id for r in raised]
+    assert len(set(ids)) == len(raised) == 3 and all(len(i) == 36 for i in ids)
+    reason = raised[0].error.reason
+    assert reason.startswith("<class 'flwr.") and "ValueError: broken here\n\nTraceback (most recent call last):" in reason
+    assert changed.error.code == ErrorCode.UNKNOWN and changed.metadata.message_id not in ids
+
+
+def test_an_invalid_push_is_left_out_and_the_valid_ones_after_it_are_queued(caplog: pytest.LogCaptureFixture) -> None:
+    """A message to a node that is not in the federation, or with a TTL of 0, is refused (logged,
+    no id), and the messages pushed with it still go."""
+    def main(grid: Grid) -> Any:
+        node = list(grid.get_node_ids())[0]
+        zero = train_message(node, round=1)
+        zero.metadata.ttl = 0.0
+        with pytest.raises(ValueError, match="Invalid message"):
+            grid.push_messages([zero])
+        ids = grid.push_messages([train_message(12345, round=1), train_message(node, round=2)])
+        return ids, grid.pull_messages(ids)
+
+    ids, replies = serve(main, counting_app(set()))
+    assert len(ids) == 1 and [r.metadata.reply_to_message_id for r in replies] == ids
+    assert "destination node 12345" in caplog.text

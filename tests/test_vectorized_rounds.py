@@ -292,3 +292,39 @@ def test_an_expired_train_message_never_reaches_the_batch_and_is_an_unavailable_
     assert batched == [2]
     assert by_id[ids[1]].error.code == ErrorCode.MESSAGE_UNAVAILABLE
     assert dict(by_id[ids[0]].content["m"]) == {"together": 1} and dict(by_id[ids[2]].content["m"]) == {"together": 1}
+
+
+def test_a_message_the_batch_hands_back_goes_through_the_clientapp_on_its_own_copy() -> None:
+    """A train message the batch handler leaves to the ClientApp (None) is delivered with its own
+    copy of the bytes: the ClientApp writing into its received model leaves the server's unchanged."""
+    import numpy as np
+    from flwr.app import ArrayRecord
+
+    from fedmm import protocol
+
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        import warnings
+
+        for array in msg.content["arrays"].values():
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # torch: "the given buffer is not writable"
+                torch.frombuffer(array.data, dtype=torch.uint8)[-4:].fill_(255)  # the bytes, in place
+        return Message(RecordDict({"m": MetricRecord({"alone": 1})}), reply_to=msg)
+
+    def train_batch(messages: list[Message], contexts: list[Context]) -> list[Any] | None:
+        return [None] * len(messages)  # every message one at a time, through the ClientApp
+
+    record = ArrayRecord({"w": protocol.encode_array(np.arange(4, dtype=np.float32))})
+    before = memoryview(record["w"].data).tobytes()
+
+    def main(grid: Grid) -> Any:
+        nodes = list(grid.get_node_ids())
+        msgs = [Message(RecordDict({"config": ConfigRecord({}), "arrays": record}), node, "train") for node in nodes[:2]]
+        return grid.send_and_receive(msgs, timeout=30)
+
+    replies = serve(main, train_batch, app=app)
+    assert all(dict(r.content["m"]) == {"alone": 1} for r in replies)
+    assert memoryview(record["w"].data).tobytes() == before
