@@ -1,14 +1,14 @@
 """The price of differential privacy: final accuracy against ε for FedAvg, FedMR and FedCross.
 
     .venv/bin/python bench/privacy_price.py [--methods fedavg fedmr fedcross] [--epsilons 1 4 8 inf]
-        [--seeds 0 1 2] [--federations 20:5 100:10] [--rounds 20] [--clip 0.5] [--out bench/results/privacy_price.json]
+        [--seeds 0 1 2] [--federations 100:10:dirichlet 1000:100:iid] [--rounds 50] [--clip 0.1] [--out ...]
 
 For each federation N:K (N clients of the embedded data, K drawn per round), each ε (at
 δ = 1/N) and each seed, one run of each method with ``strategy.privacy``: C = ``--clip``, the
 noise multiplier z the budget allows over ``--rounds`` rounds (:func:`strategies.privacy.noise_multiplier_for`,
 the accountant the run itself uses); ε = inf is the run without differential privacy. Every run:
-the small LeNet (its 62k parameters keep the noise's norm, z·2C/m·√d on a mean, within reach),
-Dirichlet 0.5, one local epoch. Writes the rows (final accuracy, ε reached, z) and
+the small LeNet (its 62k parameters keep the noise's norm, z·2C/m·√d on a mean, smallest),
+two local epochs at lr 0.05 (the defaults of ``--lr`` and ``--local-epochs``). Writes the rows (final accuracy, ε reached, z) and
 ``--figure`` (accuracy against ε, one panel per federation, mean and range over the seeds).
 """
 
@@ -26,7 +26,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def run_one(method: str, n: int, k: int, epsilon: float, seed: int, rounds: int, clip: float, root: Path) -> dict:
+def run_one(method: str, n: int, k: int, partition: str, epsilon: float, seed: int, rounds: int, clip: float, root: Path,
+            training: tuple[str, ...]) -> dict:
     from fedmm.config import compose, to_container
     from fedmm.results import read_metrics
     from launch.cli import run_job
@@ -39,11 +40,11 @@ def run_one(method: str, n: int, k: int, epsilon: float, seed: int, rounds: int,
           f"strategy.privacy.delta={delta}"] if private else []
     name = f"{method}_N{n}_eps{epsilon:g}_s{seed}"
     run = run_job(to_container(compose([f"strategy={method}", "model=lenet", f"num_clients={n}", f"clients_per_round={k}",
-                                        f"num_rounds={rounds}", "training.local_epochs=1", f"seed={seed}",
+                                        f"partition={partition}", f"num_rounds={rounds}", *training, f"seed={seed}",
                                         f"eval_every={rounds}", *dp, f"output_dir={root / name}"])))
     rows = read_metrics(run)
     summary = json.loads((run / "summary.json").read_text())
-    return {"method": method, "N": n, "K": k, "epsilon_target": epsilon, "seed": seed, "noise_multiplier": z,
+    return {"method": method, "N": n, "K": k, "partition": partition, "epsilon_target": epsilon, "seed": seed, "noise_multiplier": z,
             "epsilon": summary.get("privacy", {}).get("epsilon"), "final_accuracy": rows[-1]["accuracy"],
             "status": summary["status"], "clipped_share": statistics.mean(r.get("dp_clipped_share", 0.0) for r in rows[1:]),
             "update_norm_median": statistics.mean(r.get("dp_update_norm_median", 0.0) for r in rows[1:])}
@@ -80,9 +81,12 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=["fedavg", "fedmr", "fedcross"])
     parser.add_argument("--epsilons", nargs="+", type=float, default=[1.0, 4.0, 8.0, math.inf])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    parser.add_argument("--federations", nargs="+", default=["20:5", "100:10"], help="N:K pairs")
-    parser.add_argument("--rounds", type=int, default=20)
-    parser.add_argument("--clip", type=float, default=0.5, help="C")
+    parser.add_argument("--federations", nargs="+", default=["100:10:dirichlet", "1000:100:iid"],
+                        help="N:K:partition (1,000 clients of the embedded data: iid, every Dirichlet draw leaves one short)")
+    parser.add_argument("--rounds", type=int, default=50)
+    parser.add_argument("--clip", type=float, default=0.1, help="C (about the median update norm of these runs)")
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--local-epochs", type=int, default=2)
     parser.add_argument("--out", default="bench/results/privacy_price.json")
     parser.add_argument("--figure", default="docs/results/privacy_price.png")
     args = parser.parse_args()
@@ -91,18 +95,20 @@ def main() -> None:
     out = Path(args.out)
     rows: list[dict] = json.loads(out.read_text())["rows"] if out.is_file() else []
     done = {(r["method"], r["N"], r["epsilon_target"], r["seed"]) for r in rows}
+    training = (f"training.lr={args.lr}", f"training.local_epochs={args.local_epochs}")
     for fed in args.federations:
-        n, k = (int(x) for x in fed.split(":"))
+        n_text, k_text, partition = fed.split(":")
+        n, k = int(n_text), int(k_text)
         for seed in args.seeds:
             for epsilon in args.epsilons:
                 for method in args.methods:
                     if (method, n, epsilon, seed) in done:
                         continue
-                    rows.append(run_one(method, n, k, epsilon, seed, args.rounds, args.clip, root))
+                    rows.append(run_one(method, n, k, partition, epsilon, seed, args.rounds, args.clip, root, training))
                     out.parent.mkdir(parents=True, exist_ok=True)
                     out.write_text(json.dumps({"rounds": args.rounds, "clip": args.clip, "rows": rows}, indent=1,
                                               default=lambda v: None if isinstance(v, float) and not math.isfinite(v) else v))
-    print("| N:K | method | " + " | ".join(f"ε={e:g}" for e in args.epsilons) + " |")
+    print("| N:K:partition | method | " + " | ".join(f"ε={e:g}" for e in args.epsilons) + " |")
     print("|---|---|" + "---|" * len(args.epsilons))
     for fed in args.federations:
         n = int(fed.split(":")[0])

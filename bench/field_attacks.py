@@ -1,0 +1,131 @@
+"""The field's attacks against each defence, as the Byzantine-robustness literature measures them.
+
+    .venv/bin/python bench/field_attacks.py [--methods fedavg fedmr fedcross scaffold] [--seeds 0 1 2]
+        [--defences none ours default] [--rounds 8] [--out-dir bench/results/field]
+    .venv/bin/python bench/field_attacks.py --table [--out-dir bench/results/field]    # no runs: the table
+
+For each method, defence and seed, one simulation of bench/faults.py's attack experiments (10
+nodes all in every round, Dir(0.5) on the embedded data, one local epoch, ``--rounds`` rounds):
+the clean run, the federation without the hostile nodes (``absent``), and each attack with one and
+two hostile nodes of ten: byzfl's ALIE, IPM, Mimic and the optimized ALIE and IPM (colluding,
+omniscient: computed from the honest updates of the same round) and label flipping. The defences:
+
+- ``none``: no defence;
+- ``ours``: the stage the bench used before byzfl (bench/faults.py ``default_defence``: screens,
+  adaptive clipping, and for FedMR and FedCross the norm screen with refill);
+- ``default``: the preset each method now gets (``+strategy/defence=<preset>``, :data:`DEFAULTS`).
+
+Each (method, defence, seed) writes one JSON file (resumable: a file present is not run again).
+``--table`` prints, per method, attack and hostile count, the final accuracy (mean over the seeds
+present) of each defence, with the paired gap (seed by seed) to the clean run and to the run
+without the hostile nodes of the same defence.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+#: The field's attacks and label flipping; ``absent``: the federation without the hostile nodes.
+ATTACKS = ("alie", "ipm", "mimic", "optalie", "optipm", "labelflip", "absent")
+#: The preset each method's ``default`` defence is (conf/strategy/defence/).
+DEFAULTS = {"fedavg": "one_model", "scaffold": "one_model", "fedmr": "per_model", "fedcross": "per_model"}
+
+
+def defence_overrides(method: str, defence: str) -> tuple[str, ...]:
+    import faults
+
+    if defence == "ours":
+        return tuple(faults.default_defence(method))
+    if defence == "default":
+        return (f"+strategy/defence={DEFAULTS[method]}",)
+    raise ValueError(defence)
+
+
+def run(method: str, defence: str, seed: int, rounds: int, out: Path) -> None:
+    import faults
+
+    root = Path(tempfile.mkdtemp(prefix="fedmm-field-"))
+    arms = ("",) if defence == "none" else ("+defence",)
+    rows = faults.run_strategy(method, root, ATTACKS, (1, 2), () if defence == "none" else defence_overrides(method, defence),
+                               rounds, "local", ("training.local_epochs=1", f"seed={seed}"), arms)
+    out.write_text(json.dumps({"method": method, "defence": defence, "seed": seed, "rounds": rounds, "rows": rows}, indent=1))
+
+
+def load(out_dir: Path) -> dict[tuple[str, str, int], dict[str, float]]:
+    """(method, defence, seed) -> {experiment: final accuracy} (experiment: clean, alie-1, ...)."""
+    found = {}
+    for path in sorted(out_dir.glob("*.json")):
+        data = json.loads(path.read_text())
+        found[(data["method"], data["defence"], data["seed"])] = {
+            r["fault"].removesuffix("+defence"): r["final_accuracy"] for r in data["rows"] if r["status"] == "completed"}
+    return found
+
+
+def table(out_dir: Path, defences: list[str]) -> str:
+    found = load(out_dir)
+    methods = sorted({m for m, _, _ in found}, key=lambda m: list(DEFAULTS).index(m) if m in DEFAULTS else 99)
+    lines = ["| method | attack | hostile | " + " | ".join(f"{d}: acc (Δ clean, Δ absent)" for d in defences) + " |",
+             "|---|---|---|" + "---|" * len(defences)]
+    for method in methods:
+        for attack in [a for a in ATTACKS if a != "absent"]:
+            for hostile in (1, 2):
+                cells = []
+                for defence in defences:
+                    seeds = [s for (m, d, s) in found if m == method and d == defence]
+                    runs = [found[(method, defence, s)] for s in seeds]
+                    name = f"{attack}-{hostile}"
+                    acc = [r[name] for r in runs if name in r]
+                    clean = [r[name] - r["clean"] for r in runs if name in r and "clean" in r]
+                    absent = [r[name] - r[f"absent-{hostile}"] for r in runs if name in r and f"absent-{hostile}" in r]
+                    if not acc:
+                        cells.append("–")
+                        continue
+                    gap = f"{100 * statistics.mean(absent):+.1f}" if absent else "–"
+                    bold = absent and abs(100 * statistics.mean(absent)) <= 2 or absent and statistics.mean(absent) > 0
+                    cells.append(f"{statistics.mean(acc):.3f} ({100 * statistics.mean(clean):+.1f}, "
+                                 f"{'**' + gap + '**' if bold else gap}) n={len(acc)}")
+                lines.append(f"| {method} | {attack} | {hostile} | " + " | ".join(cells) + " |")
+        refs = []
+        for defence in defences:
+            runs = [v for (m, d, s), v in found.items() if m == method and d == defence]
+            clean = [r["clean"] for r in runs if "clean" in r]
+            refs.append(f"clean {statistics.mean(clean):.3f}" if clean else "–")
+        lines.append(f"| {method} | (clean) | 0 | " + " | ".join(refs) + " |")
+    return "\n".join(lines) + ("\n\nΔ: points from the clean run and from the run without the hostile nodes, paired seed by "
+                               "seed, same defence; bold: within 2 points of the run without the hostile nodes (or above it).")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--methods", nargs="+", default=list(DEFAULTS))
+    parser.add_argument("--defences", nargs="+", default=["none", "ours", "default"])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--out-dir", default="bench/results/field")
+    parser.add_argument("--table", action="store_true", help="no runs: the table of what --out-dir holds")
+    args = parser.parse_args()
+    out_dir = Path(args.out_dir)
+    if args.table:
+        print(table(out_dir, args.defences))
+        return
+    os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for seed in args.seeds:
+        for method in args.methods:
+            for defence in args.defences:
+                out = out_dir / f"{method}_{defence}_s{seed}.json"
+                if not out.exists():
+                    run(method, defence, seed, args.rounds, out)
+    print(table(out_dir, args.defences))
+
+
+if __name__ == "__main__":
+    main()
