@@ -146,3 +146,23 @@ def test_a_run_made_with_the_retired_robust_mean_resumes_as_it_ran() -> None:
     with pytest.raises(ConfigError) as err:
         DefenceSettings.from_dict({**base, "robust_mean": "trimmed", "trim_fraction": 0.1})
     assert err.value.key == "strategy.defence.robust_mean" and "aggregator=trmean" in str(err.value)
+
+
+@pytest.mark.parametrize(("preset", "strategies", "expected"), [
+    ("one_model", ("fedavg", "scaffold", "fednova", "fedbuff"), {"pre_aggregators": ["nnm"], "aggregator": "trmean", "f": 2}),
+    ("per_model", ("fedmr", "fedcross", "fedmr_async"),
+     {"sign_screen": 0.5, "adaptive_clip": 2.0, "adaptive_clip_to": "median", "norm_screen": 3.0, "refill": "median"}),
+])
+def test_each_defence_preset_composes_with_its_methods_and_sets_what_it_says(preset: str, strategies: tuple[str, ...],
+                                                                              expected: dict) -> None:
+    """``+strategy/defence=<preset>`` (conf/strategy/defence/) passes validation with every method it is
+    the default of, at the bench's K = 10, and sets exactly its values (the rest stay the defaults)."""
+    from strategies.defence import DefenceSettings
+
+    defaults = DefenceSettings().to_dict()
+    for strategy in strategies:
+        defence = compose([f"strategy={strategy}", "num_clients=10", "clients_per_round=10",
+                           f"+strategy/defence={preset}"]).strategy.defence
+        got = {k: v if isinstance(v, (str, int, float)) else list(v)
+               for k, v in dict(defence).items() if k in defaults and v != defaults[k]}
+        assert got == expected, (strategy, got)
