@@ -580,7 +580,8 @@ def outcome(cfg: dict) -> dict:
         final = torch.load(run / "final_model.pt", weights_only=True)
         lost += sum(1 for v in final.values() if v.is_floating_point() and not torch.isfinite(v).all())
     return {
-        "status": summary["status"], "replies": [m.get("replies") for m in metrics[1:]],
+        "status": summary["status"], **({"reason": summary["reason"]} if "reason" in summary else {}),
+        "replies": [m.get("replies") for m in metrics[1:]],
         "final_accuracy": metrics[-1]["accuracy"], "models_lost": lost,
         "largest_update_norm": max((m.get("largest_update_norm", 0.0) for m in metrics[1:]), default=0.0),
         "screened": sum(m.get("updates_screened", 0.0) for m in metrics[1:]),

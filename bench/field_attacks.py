@@ -1,7 +1,7 @@
 """The field's attacks against each defence, as the Byzantine-robustness literature measures them.
 
     .venv/bin/python bench/field_attacks.py [--methods fedavg fedmr fedcross scaffold] [--seeds 0 1 2]
-        [--defences none ours default] [--rounds 8] [--out-dir bench/results/field]
+        [--defences none nnm bucketing default] [--rounds 8] [--out-dir bench/results/field]
     .venv/bin/python bench/field_attacks.py --table [--out-dir bench/results/field]    # no runs: the table
 
 For each method, defence and seed, one simulation of bench/faults.py's attack experiments (10
@@ -11,9 +11,15 @@ two hostile nodes of ten: byzfl's ALIE, IPM, Mimic and the optimized ALIE and IP
 omniscient: computed from the honest updates of the same round) and label flipping. The defences:
 
 - ``none``: no defence;
-- ``ours``: the stage the bench used before byzfl (bench/faults.py ``default_defence``: screens,
-  adaptive clipping, and for FedMR and FedCross the norm screen with refill);
-- ``default``: the preset each method now gets (``+strategy/defence=<preset>``, :data:`DEFAULTS`).
+- ``nnm``: byzfl's nearest-neighbour mixing, then its trimmed mean, f = 2 (Allouah et al. 2023);
+- ``bucketing``: byzfl's bucketing (s = 2), then its trimmed mean, f = 2 (Karimireddy et al. 2022);
+- ``default``: the preset each method gets (``+strategy/defence=<preset>``, :data:`DEFAULTS`): the
+  stage of screens and adaptive clipping, and for FedMR and FedCross the norm screen with refill
+  (bench/faults.py ``default_defence`` composes to the same settings: tests/test_aggregators.py).
+
+``nnm`` and ``bucketing`` replace the mean a method takes; FedMR and FedCross keep a model per node
+and take no mean of their updates (only their evaluated global model would change), so they are
+measured with ``none`` and ``default`` only.
 
 Each (method, defence, seed) writes one JSON file (resumable: a file present is not run again).
 ``--table`` prints, per method, attack and hostile count, the final accuracy (mean over the seeds
@@ -39,14 +45,20 @@ ATTACKS = ("alie", "ipm", "mimic", "optalie", "optipm", "labelflip", "absent")
 DEFAULTS = {"fedavg": "one_model", "scaffold": "one_model", "fedmr": "per_model", "fedcross": "per_model"}
 
 
-def defence_overrides(method: str, defence: str) -> tuple[str, ...]:
-    import faults
+#: byzfl's chains measured beside the default (methods that take a mean only).
+CHAINS = {
+    "nnm": ("strategy.defence.pre_aggregators=[nnm]", "strategy.defence.aggregator=trmean", "strategy.defence.f=2"),
+    "bucketing": ("strategy.defence.pre_aggregators=[bucketing]", "strategy.defence.aggregator=trmean",
+                  "strategy.defence.f=2"),
+}
 
-    if defence == "ours":
-        return tuple(faults.default_defence(method))
+
+def defence_overrides(method: str, defence: str) -> tuple[str, ...]:
     if defence == "default":
         return (f"+strategy/defence={DEFAULTS[method]}",)
-    raise ValueError(defence)
+    if defence in CHAINS:
+        return CHAINS[defence]
+    raise ValueError(f"--defences: {defence!r} is none of none, default, {', '.join(CHAINS)}")
 
 
 def run(method: str, defence: str, seed: int, rounds: int, out: Path) -> None:
@@ -60,12 +72,14 @@ def run(method: str, defence: str, seed: int, rounds: int, out: Path) -> None:
 
 
 def load(out_dir: Path) -> dict[tuple[str, str, int], dict[str, float]]:
-    """(method, defence, seed) -> {experiment: final accuracy} (experiment: clean, alie-1, ...)."""
+    """(method, defence, seed) -> {experiment: final accuracy, None where the run failed} (experiment:
+    clean, alie-1, ...)."""
     found = {}
     for path in sorted(out_dir.glob("*.json")):
         data = json.loads(path.read_text())
         found[(data["method"], data["defence"], data["seed"])] = {
-            r["fault"].removesuffix("+defence"): r["final_accuracy"] for r in data["rows"] if r["status"] == "completed"}
+            r["fault"].removesuffix("+defence"): r["final_accuracy"] if r["status"] == "completed" else None
+            for r in data["rows"]}
     return found
 
 
@@ -82,31 +96,35 @@ def table(out_dir: Path, defences: list[str]) -> str:
                     seeds = [s for (m, d, s) in found if m == method and d == defence]
                     runs = [found[(method, defence, s)] for s in seeds]
                     name = f"{attack}-{hostile}"
-                    acc = [r[name] for r in runs if name in r]
-                    clean = [r[name] - r["clean"] for r in runs if name in r and "clean" in r]
-                    absent = [r[name] - r[f"absent-{hostile}"] for r in runs if name in r and f"absent-{hostile}" in r]
+                    failed = sum(1 for r in runs if name in r and r[name] is None)
+                    runs = [r for r in runs if r.get(name) is not None]
+                    acc = [r[name] for r in runs]
+                    clean = [r[name] - r["clean"] for r in runs if r.get("clean") is not None]
+                    absent = [r[name] - r[f"absent-{hostile}"] for r in runs if r.get(f"absent-{hostile}") is not None]
                     if not acc:
-                        cells.append("–")
+                        cells.append(f"failed n={failed}" if failed else "–")
                         continue
                     gap = f"{100 * statistics.mean(absent):+.1f}" if absent else "–"
                     bold = absent and abs(100 * statistics.mean(absent)) <= 2 or absent and statistics.mean(absent) > 0
                     cells.append(f"{statistics.mean(acc):.3f} ({100 * statistics.mean(clean):+.1f}, "
-                                 f"{'**' + gap + '**' if bold else gap}) n={len(acc)}")
+                                 f"{'**' + gap + '**' if bold else gap}) n={len(acc)}" + (f", failed {failed}" if failed else ""))
                 lines.append(f"| {method} | {attack} | {hostile} | " + " | ".join(cells) + " |")
         refs = []
         for defence in defences:
             runs = [v for (m, d, s), v in found.items() if m == method and d == defence]
-            clean = [r["clean"] for r in runs if "clean" in r]
+            clean = [r["clean"] for r in runs if r.get("clean") is not None]
             refs.append(f"clean {statistics.mean(clean):.3f}" if clean else "–")
         lines.append(f"| {method} | (clean) | 0 | " + " | ".join(refs) + " |")
     return "\n".join(lines) + ("\n\nΔ: points from the clean run and from the run without the hostile nodes, paired seed by "
-                               "seed, same defence; bold: within 2 points of the run without the hostile nodes (or above it).")
+                               "seed, same defence; bold: within 2 points of the run without the hostile nodes (or above it); "
+                               "failed: runs that stopped without a final model (their row in the JSON says why); "
+                               "–: not run.")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--methods", nargs="+", default=list(DEFAULTS))
-    parser.add_argument("--defences", nargs="+", default=["none", "ours", "default"])
+    parser.add_argument("--defences", nargs="+", default=["none", *CHAINS, "default"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--out-dir", default="bench/results/field")

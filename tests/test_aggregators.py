@@ -149,7 +149,8 @@ def test_a_run_made_with_the_retired_robust_mean_resumes_as_it_ran() -> None:
 
 
 @pytest.mark.parametrize(("preset", "strategies", "expected"), [
-    ("one_model", ("fedavg", "scaffold", "fednova", "fedbuff"), {"pre_aggregators": ["nnm"], "aggregator": "trmean", "f": 2}),
+    ("one_model", ("fedavg", "scaffold", "fednova", "fedbuff", "fedexp", "feddyn"),
+     {"screen": 0.0, "sign_screen": 0.5, "adaptive_clip": 2.0, "adaptive_clip_to": "median"}),
     ("per_model", ("fedmr", "fedcross", "fedmr_async"),
      {"sign_screen": 0.5, "adaptive_clip": 2.0, "adaptive_clip_to": "median", "norm_screen": 3.0, "refill": "median"}),
 ])
@@ -166,3 +167,25 @@ def test_each_defence_preset_composes_with_its_methods_and_sets_what_it_says(pre
         got = {k: v if isinstance(v, (str, int, float)) else list(v)
                for k, v in dict(defence).items() if k in defaults and v != defaults[k]}
         assert got == expected, (strategy, got)
+
+
+@pytest.mark.parametrize("strategy", ["fedavg", "scaffold", "fedmr", "fedcross"])
+def test_the_attack_bench_defence_is_the_preset_its_table_calls_default(strategy: str) -> None:
+    """bench/faults.py's defence of each method composes to the same settings as the preset
+    bench/field_attacks.py calls its default: the field table's "default" column is the preset."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "bench"
+    sys.path.insert(0, str(bench))
+    try:
+        spec = importlib.util.spec_from_file_location("field_attacks", bench / "field_attacks.py")
+        field = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(field)
+        import faults
+    finally:
+        sys.path.remove(str(bench))
+    base = [f"strategy={strategy}", "num_clients=10", "clients_per_round=10"]
+    preset = compose([*base, *field.defence_overrides(strategy, "default")]).strategy.defence
+    assert dict(compose([*base, *faults.default_defence(strategy)]).strategy.defence) == dict(preset)

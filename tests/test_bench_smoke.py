@@ -185,3 +185,26 @@ def test_the_run_config_blob_bench_measures_the_message_the_runner_sends() -> No
     named = bench.flattened(cfg)
     assert named["training.lr"] == cfg["training"]["lr"] and len(named) == row["named_values"]
     assert client_run(protocol.run_config_record(cfg)).to_dict() == cfg
+
+
+def test_the_field_table_shows_a_failed_run_as_failed_and_pairs_the_gaps_seed_by_seed(tmp_path: Path) -> None:
+    """bench/field_attacks.py --table: a run that stopped without a final model is a "failed" cell
+    (not dropped, not a number), and each gap is the mean of the seed-by-seed differences."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("field_attacks", ROOT / "bench" / "field_attacks.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def row(fault: str, acc: float, status: str = "completed") -> dict:
+        return {"fault": fault, "final_accuracy": acc, "status": status}
+
+    for seed, (clean, absent, alie) in enumerate([(0.80, 0.70, 0.69), (0.60, 0.50, 0.53)]):
+        rows = [row("clean+defence", clean), row("absent-1+defence", absent), row("alie-1+defence", alie)]
+        (tmp_path / f"fedavg_default_s{seed}.json").write_text(
+            json.dumps({"method": "fedavg", "defence": "default", "seed": seed, "rows": rows}))
+    (tmp_path / "fedavg_none_s0.json").write_text(json.dumps({"method": "fedavg", "defence": "none", "seed": 0, "rows": [
+        row("clean", 0.8), row("absent-1", 0.7), row("alie-1", 0.083, "failed")]}))
+    text = bench.table(tmp_path, ["none", "default"])
+    line = next(line for line in text.splitlines() if line.startswith("| fedavg | alie | 1 |"))
+    assert line == "| fedavg | alie | 1 | failed n=1 | 0.610 (-9.0, **+1.0**) n=2 |", line
