@@ -62,8 +62,8 @@ FedCross and FedMut are defended one by one:
   are always rejected). With ``refill`` the rejected slots take the round's median update.
 
 The other half is the mean a method takes of client models (FedAvg's aggregate, the
-multi-model methods' global model, FedExP's, FedDyn's and SCAFFOLD's mean step, FedNova's, FedBuff's
-buffer): ``aggregator`` (with ``pre_aggregators`` and ``f``) makes it one of byzfl's robust
+multi-model methods' global model, every one-model method's mean step, FedBuff's buffer):
+``aggregator`` (with ``pre_aggregators`` and ``f``) makes it one of byzfl's robust
 aggregators (:class:`strategies.aggregators.Mean`).
 
 What a setting means depends on what the method holds (:attr:`strategies.method.Method.holds`),

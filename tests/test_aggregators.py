@@ -149,7 +149,7 @@ def test_a_run_made_with_the_retired_robust_mean_resumes_as_it_ran() -> None:
 
 
 @pytest.mark.parametrize(("preset", "strategies", "expected"), [
-    ("one_model", ("fedavg", "scaffold", "fednova", "fedbuff", "fedexp", "feddyn"),
+    ("one_model", ("fedavg", "fedprox", "scaffold", "fednova", "fedbuff", "fedexp", "feddyn", "fedmut"),
      {"screen": 0.0, "sign_screen": 0.5, "adaptive_clip": 2.0, "adaptive_clip_to": "median"}),
     ("per_model", ("fedmr", "fedcross", "fedmr_async"),
      {"sign_screen": 0.5, "adaptive_clip": 2.0, "adaptive_clip_to": "median", "norm_screen": 3.0, "refill": "median"}),
