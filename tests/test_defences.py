@@ -431,3 +431,18 @@ def test_a_round_whose_updates_the_aggregator_cannot_take_keeps_the_models(caplo
     np.testing.assert_array_equal(strategy.models[0]["w"], initial["w"])
     assert strategy.last_round.replies == 0
     assert "strategy.defence.aggregator=krum refused the round's 4 updates" in caplog.text
+
+
+@pytest.mark.parametrize(("n", "f"), [(7, 2), (5, 2), (3, 0)])
+def test_krum_scores_are_the_sums_of_the_nearest_squared_distances_by_hand(n: int, f: int) -> None:
+    """Each score is the sum of the n − f − 2 smallest squared distances to the other updates, over
+    every floating entry together (two entries here); with fewer than f + 3 updates there is none."""
+    from strategies.defence import krum_scores
+
+    rng = np.random.default_rng(n * 10 + f)
+    deltas = [{"a": rng.normal(size=(3, 2)), "b": rng.normal(size=4) * (i + 1)} for i in range(n)]
+    flat = [np.concatenate([d["a"].ravel(), d["b"]]) for d in deltas]
+    expected = [sum(sorted(float(np.sum((flat[i] - flat[j]) ** 2)) for j in range(n) if j != i)[: n - f - 2])
+                for i in range(n)]
+    np.testing.assert_allclose(krum_scores(deltas, ["a", "b"], f), expected, rtol=1e-10)
+    assert krum_scores(deltas[: f + 2], ["a", "b"], f) is None
