@@ -124,7 +124,7 @@ def table(out_dir: Path, defences: list[str]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--methods", nargs="+", default=list(DEFAULTS))
-    parser.add_argument("--defences", nargs="+", default=["none", *CHAINS, "default"])
+    parser.add_argument("--defences", nargs="+", default=["none", *CHAINS, "default"], choices=["none", *CHAINS, "default"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--out-dir", default="bench/results/field")
