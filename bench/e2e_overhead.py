@@ -317,6 +317,7 @@ def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
     from server_app.runner import seed_everything
     from strategies import FedAvg, build_strategy
     from strategies.aggregators import Mean
+    from strategies.contract import model_index
 
     mark("imports")
     cfg = spec["cfg"]
@@ -367,7 +368,7 @@ def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
         start = time.perf_counter()
         trained = []
         for index, pid in enumerate(sampled):
-            _load(client_model, strategy.models[strategy.model_for_slot(index)])
+            _load(client_model, strategy.models[model_index(strategy, index)])
             data = load_partition(d, cfg["partition"], pid, n, seed)
             generator = torch.Generator().manual_seed(hash((seed, server_round, pid)) % (2**63))
             local = build_local_update(cfg, states[pid], content)
@@ -375,7 +376,7 @@ def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
             metrics = train(client_model, data, local, local.run.training, server_round, generator, device)
             local.end(client_model)
             trained.append(ClientUpdate(pid, index, _to_numpy(client_model), float(metrics["num-examples"]), dict(metrics),
-                                        sent=strategy.models[strategy.model_for_slot(index)]))
+                                        sent=strategy.models[model_index(strategy, index)]))
         mid = time.perf_counter()
         global_state = strategy.aggregate(server_round, trained, Mean())  # the method's own step, its plain mean
         end = time.perf_counter()

@@ -714,7 +714,7 @@ def main() -> None:
     attacks = tuple(args.attacks or ATTACKS) if args.attacks is not None else ()
     from fedmm.config import compose
 
-    if any(a in COLLUDING for a in attacks) and any(compose([f"strategy={s}"]).strategy.strategy_class.Driver.asynchronous
+    if any(a in COLLUDING for a in attacks) and any(compose([f"strategy={s}"]).strategy.asynchronous.enabled
                                                      for s in args.strategies):
         parser.error(f"{', '.join(COLLUDING)} need synchronous rounds (the colluders see the round's honest updates)")
     if args.clean_only:

@@ -4,7 +4,7 @@
         [--seeds 0 1 2] [--federations 100:10:dirichlet 1000:100:iid] [--rounds 50] [--clip 0.1] [--out ...]
 
 For each federation N:K (N clients of the embedded data, K drawn per round), each ε (at
-δ = 1/N) and each seed, one run of each method with ``strategy.privacy``: C = ``--clip``, the
+δ = 1/N) and each seed, one run of each method with ``strategy.context.privacy``: C = ``--clip``, the
 noise multiplier z the budget allows over ``--rounds`` rounds (:func:`strategies.privacy.noise_multiplier_for`,
 the accountant the run itself uses); ε = inf is the run without differential privacy. Every run:
 the small LeNet (its 62k parameters keep the noise's norm, z·2C/m·√d on a mean, smallest),

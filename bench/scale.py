@@ -222,7 +222,7 @@ class Holdings:
             return 0
         try:
             models = list(strategy.models or []) + [strategy.global_model or {}]
-            models += [u.model for u in strategy.replies.accepted_updates() + list(self.aggregating)]
+            models += [u.model for u in strategy.context.replies.accepted_updates() + list(self.aggregating)]
             return self._arrays_bytes(models, set())
         except Exception:  # noqa: BLE001 - a container changed while it was read (or an older strategy): skip
             return 0

@@ -204,6 +204,7 @@ class Uploads(RunObserver):
 
 def build(cfg: dict[str, Any], secure: dict[str, Any] | None, observers: Any = ()) -> Any:
     from strategies import build_strategy
+    from strategies.contract import model_index
 
     run_cfg = copy.deepcopy(cfg)
     if secure is not None:
@@ -237,9 +238,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(args.seed)
     arrays = ArrayRecord(model_for(cfg, input_spec(cfg["dataset"])).state_dict())
     for server_round in range(1, args.warmup + 1):
-        plain.driver.run(server_round, harness.grid, arrays, config, timeout=600)
+        plain.context.driver.run(server_round, harness.grid, arrays, config, timeout=600)
     harness.grid.sent.clear()
-    state = copy.deepcopy(plain.state_dict())
+    state = copy.deepcopy(plain.context.state_dict())
     measured_round = args.warmup + 1
     spec = protocol.array_spec(plain.models[0])
     units = layer_units(list(spec), "tensor")
@@ -251,21 +252,21 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     def one_round(secure: dict[str, Any] | None) -> dict[str, Any]:
         seen = Uploads()
         strategy = build(cfg, secure, [seen])
-        strategy.load_state_dict(copy.deepcopy(state))
+        strategy.context.load_state_dict(copy.deepcopy(state))
         harness.trained = {}
         uploads, slots = seen.models, seen.slots
         dispatched_models = [dict(m) for m in strategy.models]
         start = time.perf_counter()
-        strategy.driver.run(measured_round, harness.grid, arrays, config, timeout=600)
+        strategy.context.driver.run(measured_round, harness.grid, arrays, config, timeout=600)
         seconds = time.perf_counter() - start
         harness.grid.sent.clear()  # the in-process grid keeps every message it delivered
         if secure is None:
             # plain FedMR: every node uploads what it trained, from the model of its slot
             trained, trace, mode = dict(uploads), [], None
-            dispatched = {u: dispatched_models[strategy.model_for_slot(slot)] for u, slot in slots.items()}
+            dispatched = {u: dispatched_models[model_index(strategy, slot)] for u, slot in slots.items()}
         else:
-            trained, trace, mode = dict(harness.trained), list(strategy.driver.relay.trace), secure["mode"]
-            dispatched = dict(strategy.driver.relay.dispatched)
+            trained, trace, mode = dict(harness.trained), list(strategy.context.driver.relay.trace), secure["mode"]
+            dispatched = dict(strategy.context.driver.relay.dispatched)
         truth = true_trainers(uploads, trained, units)
         wire_sizes = [LayerCodec(spec, units, pad=bool(secure and secure.get("pad"))).wire_bytes(j) for j in range(num_layers)]
         guess = attribute(mode, uploads, dispatched, trace, units, wire_sizes)
@@ -275,7 +276,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         log = strategy.round_log
         repetitions = (secure or {}).get("repetitions", 0)
         exchanges = {"before": 1, "after": 1, "both": 2}.get(mode or "", 0)
-        low, high = strategy.driver.relay.layer_bounds(num_layers) if secure else (0, 0)
+        low, high = strategy.context.driver.relay.layer_bounds(num_layers) if secure else (0, 0)
         estimate = exchanges * repetitions * 2 * args.clients * (low + high) * model_bytes / num_layers
         return {
             "mode": mode or "plain", "repetitions": repetitions, "max_layers": high if secure else 0, "pad": bool(secure and secure.get("pad")),

@@ -42,7 +42,7 @@ def train_epochs(
     start = time.perf_counter()
     training = update.local_training(training)
     model.to(device).train()
-    update.begin(model, server_round)
+    update.start(model, data, server_round)
     optimizer = torch.optim.SGD(model.parameters(), **update.optimizer_args(training, round_lr(training, server_round)))
     losses, sizes = sgd_steps(model, update, optimizer, local_batches(data, training, generator, device),
                               None if training.clip_grad_norm is None else float(training.clip_grad_norm))

@@ -218,8 +218,9 @@ def train_stacked(
         raise ValueError(f"one state, data split, generator and objective per client: {len(states)}, {len(datas)}, "
                          f"{len(generators)}, {len(updates)}")
     kinds = {type(u) for u in updates}
-    if len(kinds) != 1 or not updates[0].vectorized:
-        raise ValueError(f"clients of one vectorized objective train together, got {sorted(c.__name__ for c in kinds)}")
+    if len(kinds) != 1 or updates[0].vectorizable():
+        raise ValueError(f"clients of one vectorizable objective train together, got {sorted(c.__name__ for c in kinds)}"
+                         + (f" ({updates[0].vectorizable()})" if len(kinds) == 1 else ""))
     bad = unsupported_modules(model)
     if bad:
         raise ValueError(f"the model has modules the stacked step cannot run: {', '.join(bad)}")
@@ -416,6 +417,7 @@ def train_messages(messages: Sequence[Any], contexts: Sequence[Any]) -> list[Any
         _log.info("Vectorized rounds: the clients of %s (objective %s) train as one computation on %s",
                   run.model.name, run.objective.name, device)
     out: list[Any] = [None] * len(messages)
+    before: dict[int, dict[str, float]] = {}  # each client's measurements of the model it received
     ready: list[int] = []
     prepared: dict[int, tuple[LocalUpdate, TensorData, int, dict[str, torch.Tensor]]] = {}
     for i, (msg, context) in enumerate(zip(messages, contexts)):
@@ -427,8 +429,10 @@ def train_messages(messages: Sequence[Any], contexts: Sequence[Any]) -> list[Any
                 update = work.build_local_update(run, context.state, msg.content)
                 update.node = int(context.node_config.get("partition-id", context.node_id % (2**31)))
                 data = work.local_data(run, context)
+                before[i] = work.measured(run, msg.content, loaded, data)
+                loaded.train()
                 seed = work.seed_for(run, protocol.server_round(msg), context, repeat)
-                update.begin(loaded, protocol.server_round(msg))
+                update.start(loaded, data, protocol.server_round(msg))
                 start = {key: value.detach().clone() for key, value in loaded.state_dict().items()}
             prepared[i] = (update, data, seed, start)
             ready.append(i)
@@ -440,13 +444,13 @@ def train_messages(messages: Sequence[Any], contexts: Sequence[Any]) -> list[Any
     for server_round, same_round in by_round.items():
         if len(same_round) == 1:
             continue  # out[i] stays None: it trains alone, through the ClientApp
-        _train_together(run, text, model, device, server_round, same_round, prepared, messages, out)
+        _train_together(run, text, model, device, server_round, same_round, prepared, messages, out, before)
     return out
 
 
 def _train_together(run: Any, text: str, model: nn.Module, device: torch.device, server_round: int, ready: list[int],
                     prepared: dict[int, tuple[LocalUpdate, TensorData, int, dict[str, torch.Tensor]]],
-                    messages: Sequence[Any], out: list[Any]) -> None:
+                    messages: Sequence[Any], out: list[Any], before: dict[int, dict[str, float]]) -> None:
     """Train the clients ``ready`` (indices into ``messages``) of one round, in chunks of at most
     ``simulation.vectorize_clients`` (halved on CUDA out of memory); each one's reply or
     exception into ``out``."""
@@ -477,14 +481,17 @@ def _train_together(run: Any, text: str, model: nn.Module, device: torch.device,
             continue
         for i, result in zip(members, results):
             try:
-                out[i] = _reply(run, messages[i], model, prepared[i][0], prepared[i][1], result, seconds / len(members))
+                out[i] = _reply(run, messages[i], model, prepared[i][0], prepared[i][1], result, seconds / len(members),
+                                before.get(i, {}))
             except Exception as err:  # noqa: BLE001 - e.g. an objective's end() refusing
                 out[i] = err
         position += len(members)
 
 
-def _reply(run: Any, msg: Any, model: nn.Module, update: LocalUpdate, data: TensorData, result: ClientResult, seconds: float) -> Any:
-    """The train reply the ClientApp would send for ``result`` (``work.train_reply``'s records)."""
+def _reply(run: Any, msg: Any, model: nn.Module, update: LocalUpdate, data: TensorData, result: ClientResult, seconds: float,
+           before: dict[str, float]) -> Any:
+    """The train reply the ClientApp would send for ``result`` (``work.train_reply``'s records;
+    ``before``: the measurements of the received model the message asked for)."""
     from flwr.app import MetricRecord
 
     from fedmm import protocol
@@ -495,6 +502,7 @@ def _reply(run: Any, msg: Any, model: nn.Module, update: LocalUpdate, data: Tens
     extra = update.end(model)
     metrics = {"train_loss": result.train_loss, protocol.NUM_EXAMPLES: float(len(data)), "train_time": seconds}
     metrics.update(update.metrics())
+    metrics.update(before)
     records = {protocol.ARRAYS: work.model_record(model), protocol.METRICS: MetricRecord(metrics)}
     records.update(extra)
     return protocol.reply_message(msg, records)

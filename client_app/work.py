@@ -136,14 +136,29 @@ def seed_for(run: RunSettings, server_round: int, context: Context, repeat: int 
     return hash((run.seed, server_round, node) + ((repeat,) if repeat else ())) % (2**63)
 
 
+def measured(run: RunSettings, content: Any, model: torch.nn.Module, data: TensorData) -> dict[str, float]:
+    """The measurements the message asks for (``fedmm-measure``: :data:`fedmm.protocol.MEASURABLE`)
+    of ``model`` as received, before any training: ``loss-before``, its cross-entropy on ``data``
+    (the rows the node trains on; eval mode, no gradient, no random draw)."""
+    asked = protocol.measurements_asked(content)
+    unknown = [name for name in asked if name not in protocol.MEASURABLE]
+    if unknown:
+        raise ValueError(f"{protocol.MEASURE}={unknown}: this ClientApp measures {', '.join(protocol.MEASURABLE)}")
+    if protocol.LOSS_BEFORE not in asked:
+        return {}
+    return {protocol.LOSS_BEFORE: evaluate_model(model, data, resolve_device(run.training.device))["loss"]}
+
+
 def local_training(
     run: RunSettings, context: Context, server_round: int, model: LayeredModel, content: Any = None, repeat: int = 0,
     data: TensorData | None = None,
 ) -> tuple[dict[str, float], dict[str, Any]]:
     """Train ``model`` in place on this node's data (``data``: these rows instead) with the
-    configured local-update plugin; return the metrics and the plugin's extra reply records."""
+    configured local-update plugin; return the metrics (with the measurements the message asks
+    for, taken before training) and the plugin's extra reply records."""
     _set_threads(run, context)
     data = local_data(run, context) if data is None else data
+    before = measured(run, content, model, data)
     seed = seed_for(run, server_round, context, repeat)
     generator = torch.Generator().manual_seed(seed)  # batch order
     torch.manual_seed(seed)  # dropout (VGG-16) draws from the global generator
@@ -154,6 +169,7 @@ def local_training(
     )
     extra = update.end(model)
     metrics.update(update.metrics())
+    metrics.update(before)
     return metrics, extra
 
 
@@ -219,11 +235,17 @@ def secure_train(run: RunSettings, context: Context, server_round: int, arrays: 
 
 
 def evaluate_reply(msg: Message, context: Context) -> Message:
-    """The reply to an evaluate message: the received model on this node's held-out rows."""
+    """The reply to an evaluate message: the received model on this node's held-out rows; when
+    the message asks for measurements (``fedmm-measure``: a selector's, e.g. Power-of-Choice's
+    losses), those on the rows it trains on, with ``num-examples``."""
     run = client_run(protocol.run_config_text(msg))
     _set_threads(run, context)
-    data = local_data(run, context, part="test")
+    asked = protocol.measurements_asked(msg.content)
+    data = local_data(run, context, part="train" if asked else "test")
     with cuda_memory_advice(run, "evaluation"):
         model = model_from_message(run, msg)
-        metrics = evaluate_model(model, data, resolve_device(run.training.device))
+        if asked:
+            metrics = {**measured(run, msg.content, model, data), protocol.NUM_EXAMPLES: float(len(data))}
+        else:
+            metrics = evaluate_model(model, data, resolve_device(run.training.device))
     return protocol.reply_message(msg, {protocol.METRICS: MetricRecord(metrics)})

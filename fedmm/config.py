@@ -223,9 +223,10 @@ def not_vectorized(run: Any) -> str | None:
 
     objective = run.objective
     objective_class = getattr(type(objective), "objective_class", None)
-    if objective_class is None or not objective_class.vectorized:
-        return (f"objective.name={objective.name!r} trains one client at a time (its loss or optimizer step is its own; "
-                f"vectorized objectives: {', '.join(vectorized_objectives())})")
+    why = "it is not declared in this process" if objective_class is None else objective_class.vectorizable()
+    if why:
+        return (f"objective.name={objective.name!r} trains one client at a time ({why}; vectorized objectives: "
+                f"{', '.join(vectorized_objectives())})")
     if run.model.name not in VECTORIZED_MODEL_NAMES:
         return (f"model.name={run.model.name!r} trains one client at a time (vectorized models: "
                 f"{', '.join(VECTORIZED_MODEL_NAMES)})")
@@ -237,7 +238,7 @@ def vectorized_objectives() -> list[str]:
     from fedmm.settings import discover
 
     return sorted(name for name, declared in discover("objective").items()
-                  if getattr(declared, "objective_class", None) is not None and declared.objective_class.vectorized)
+                  if getattr(declared, "objective_class", None) is not None and not declared.objective_class.vectorizable())
 
 
 #: ``tracking.loggers``: what follows a run besides ``metrics.jsonl`` (always written: the
@@ -608,8 +609,12 @@ def dumps(cfg: DictConfig | Mapping[str, Any]) -> str:
 def declaration_of(group: str, values: Mapping[str, Any]) -> type[Settings]:
     """The settings class that a group's values select (``name``; the one declaration of the
     run-level groups); a ConfigError naming the options when none is declared in this process."""
+    from fedmm.settings import renamed_option
+
     declared = options(group)
     cls = declared.get("default") if group in RUN_GROUPS else declared.get(values.get("name"))
+    if cls is None and group not in RUN_GROUPS:
+        cls = renamed_option(group, str(values.get("name")))
     if cls is None:
         raise ConfigError(f"{group}.name", values.get("name"),
                           ", ".join(declared) or f"(no {group} declared in this process: install its package)")

@@ -80,6 +80,24 @@ DATA_PATH_KEY = "data-path"
 
 #: ``metrics`` of a reply: examples the client trained / evaluated on (Flower's convention).
 NUM_EXAMPLES = "num-examples"
+#: ``metrics`` of a reply: the cross-entropy of the model the node received on the rows it trains
+#: on, measured before training (the fedmm ClientApp measures it when a message asks: ``MEASURE``).
+LOSS_BEFORE = "loss-before"
+#: ``config`` of a train or evaluate message: the measurements a fedmm ClientApp adds to its reply
+#: (a list of names; ``LOSS_BEFORE``). An evaluate message that asks measures on the training rows
+#: and answers with those measurements and ``num-examples`` only.
+MEASURE = "fedmm-measure"
+#: What a fedmm ClientApp measures when a message asks (``MEASURE``).
+MEASURABLE = (LOSS_BEFORE,)
+
+
+def measurements_asked(content: Any) -> list[str]:
+    """The measurements a message's ``config`` asks for (``MEASURE``; none: [])."""
+    try:
+        asked = content[CONFIG][MEASURE] if content is not None and CONFIG in content and MEASURE in content[CONFIG] else []
+    except (KeyError, TypeError):
+        return []
+    return [asked] if isinstance(asked, str) else list(asked)
 
 # ----------------------------------------------------------------------------- actions
 TRAIN = MessageType.TRAIN
@@ -235,6 +253,9 @@ class ClientUpdate:
     staleness : int
         Aggregations the server made between sending that model and this reply (asynchronous
         rounds; 0 in a synchronous one).
+    trained : bool
+        False for a stand-in the round's end adds for a model of a method with a model per node
+        whose node sent no usable reply: its ``model`` is the model it was sent, untrained.
     """
 
     node_id: int
@@ -245,6 +266,7 @@ class ClientUpdate:
     extras: dict[str, ModelDict] = field(default_factory=dict)
     sent: ModelDict | None = field(default=None, repr=False)
     staleness: int = 0
+    trained: bool = True
 
 
 def reply_metrics(reply: Message) -> dict[str, float]:

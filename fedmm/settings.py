@@ -200,6 +200,21 @@ def setting(default: Any, rule: Rule | None = None, help: str = "", *, paper: st
 
 #: (group, option) -> settings class; filled as modules declaring settings are imported.
 _DECLARED: dict[tuple[str, str], type[Settings]] = {}
+#: (group, an option's former name) -> the settings class that took it over (``Settings.renamed``).
+_RENAMED: dict[tuple[str, str], type[Settings]] = {}
+
+
+def merged(base: Mapping[str, Any], values: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` with ``values`` over it, nested mappings merged key by key."""
+    out = dict(base)
+    for key, value in values.items():
+        out[key] = merged(out[key], value) if isinstance(out.get(key), Mapping) and isinstance(value, Mapping) else value
+    return out
+
+
+def renamed_option(group: str, option: str) -> type[Settings] | None:
+    """The declaration that took over a former option of ``group`` (None: none did)."""
+    return _RENAMED.get((group, option))
 
 
 @dataclass
@@ -214,7 +229,8 @@ class Settings:
     with the value that reproduces those runs: a resumed old run gets it), ``retired`` (keys no
     longer declared, each with a function from its recorded value to the declared keys that do
     what it did: ``{}`` when its value is what the defaults do; it raises a :class:`ConfigError`
-    when no declared setting does it).
+    when no declared setting does it), ``renamed`` (options that were declarations of their own,
+    each with the values of this one that do what it did: a run made then reads as this option).
     """
 
     group: ClassVar[str] = ""
@@ -223,12 +239,15 @@ class Settings:
     keyed: ClassVar[bool] = True
     added: ClassVar[dict[str, Any]] = {}
     retired: ClassVar[dict[str, Callable[[Any], dict[str, Any]]]] = {}
+    renamed: ClassVar[dict[str, dict[str, Any]]] = {}
     options_for: ClassVar[tuple[str, ...]] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if cls.__dict__.get("option") and cls.group:
             _DECLARED[(cls.group, cls.option)] = cls
+        for old in cls.__dict__.get("renamed", {}):  # an option that was its own: a run made then
+            _RENAMED[(cls.group, old)] = cls
         for option in cls.__dict__.get("options_for", ()):  # one declaration for several options (datasets)
             _DECLARED[(cls.group, option)] = cls
 
@@ -257,11 +276,12 @@ class Settings:
         Unknown keys name the nearest valid one; a missing key is an error unless it is in
         ``added``; nested settings are checked with their own declaration.
         """
-        values = {k: v for k, v in values.items() if not (cls.keyed and k == "name")}
         declared = {f.name: f for f in cls.settings_fields()}
+        values = merged(cls.renamed.get(values.get("name", ""), {}) if cls.keyed else {}, values)
+        values = {k: v for k, v in values.items() if not (cls.keyed and k == "name")}
         for key in [k for k in values if k in cls.retired and k not in declared]:  # a run made before they went
             old = values.pop(key)
-            values = {**cls.retired[key](old), **values}
+            values = merged(cls.retired[key](old), values)
         for key in values:
             if key not in declared:
                 near = difflib.get_close_matches(str(key), list(declared), n=1)
@@ -294,7 +314,14 @@ class Settings:
     @classmethod
     def lenient(cls, values: Mapping[str, Any]) -> Settings:
         """Settings from recorded values without validation (reports read old runs): keys the
-        run did not have get their default, keys no longer declared are left out."""
+        run did not have get their default, keys no longer declared are left out (or read as the
+        settings that took them over: ``renamed``, ``retired``, where that can be done)."""
+        values = merged(cls.renamed.get(values.get("name", ""), {}) if cls.keyed else {}, values)
+        for key in [k for k in values if k in cls.retired and k not in cls.__dataclass_fields__]:
+            try:
+                values = merged(cls.retired[key](values[key]), {k: v for k, v in values.items() if k != key})
+            except Exception:  # noqa: BLE001 - a value no setting does now: left out, as keys no longer declared
+                pass
         kwargs: dict[str, Any] = {}
         for f in cls.settings_fields():
             if f.name not in values:
@@ -331,8 +358,13 @@ class Settings:
         """Rules across groups, with the whole run's settings (:class:`fedmm.config.RunSettings`)."""
 
     def replace(self, **changes: Any) -> Settings:
-        """A validated copy with ``changes``."""
-        return type(self).from_dict({**self.to_dict(), **changes})
+        """A validated copy with ``changes`` (a nested group's changes merge into its settings:
+        ``replace(privacy={"clip_norm": 1.0})`` keeps the other privacy settings)."""
+        values = self.to_dict()
+        for key, value in changes.items():
+            nested = isinstance(getattr(self, key, None), Settings) and isinstance(value, Mapping)
+            values[key] = merged(values[key], value) if nested else value
+        return type(self).from_dict(values)
 
     # ------------------------------------------------------------------ records
     def to_dict(self) -> dict[str, Any]:
@@ -347,13 +379,15 @@ class Settings:
     @classmethod
     def hydra_node(cls) -> dict[str, Any]:
         """The defaults as hydra sees them (``node=`` interpolations in place of their value)."""
-        node = cls.defaults().to_dict()
+        defaults = cls.defaults()
+        node = defaults.to_dict()
         for f in cls.settings_fields():
             if f.metadata.get("node", MISSING) is not MISSING:
                 node[f.name] = f.metadata["node"]
             nested = _nested_class(f)
-            if nested is not None:
-                node[f.name] = nested.hydra_node()
+            if nested is not None:  # its own node, with the values this declaration's default changes
+                own, theirs = getattr(defaults, f.name).to_dict(), nested.defaults().to_dict()
+                node[f.name] = {**nested.hydra_node(), **{k: v for k, v in own.items() if v != theirs.get(k)}}
         return node
 
     def differences(self) -> dict[str, Any]:

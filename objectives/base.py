@@ -8,7 +8,10 @@ chooses the objective from the run config, so any objective combines with any se
 
 One instance serves one train message. Through it a method can
 
-- read extra records of the train message (``self.content``, e.g. a control variate);
+- read extra records of the train message (``self.content``, e.g. a control variate) and the
+  rows it trains on this round (``self.data``, set before :meth:`LocalUpdate.begin` on both
+  training paths; :meth:`LocalUpdate.label_counts`: its class histogram, what a calibrated loss
+  needs: FedLC, FedRS);
 - keep per-node state across rounds in Flower's ``Context.state`` (``self.state``, a
   ``RecordDict``). It lives in the node's memory: in simulation for the whole run, on a deployed
   SuperNode until the SuperNode process restarts (a restart, like a resumed run, starts it empty);
@@ -21,15 +24,18 @@ The optimizer step is the training loop's, the same on both paths, done once: th
 (:meth:`~LocalUpdate.gradient`), its correction, the objective's clipping, ``training.clip_grad_norm``,
 then SGD; the loop counts the steps and tells the objective (:meth:`~LocalUpdate.finish_steps`).
 
-An objective whose batch loss is :meth:`LocalUpdate.batch_loss` (and whose gradient change, if
-any, is :meth:`LocalUpdate.correct_gradient`) declares ``vectorized = True``: the in-process
-engine then trains a round's clients of it as one computation (:mod:`client_app.vectorized`)
-through the same two methods, with each client's own tensors (:meth:`LocalUpdate.tensors`)
-stacked. The declaration is not inherited: an objective that overrides :meth:`loss` or
-:meth:`gradient` in its own way trains one client at a time unless it says otherwise.
+An objective has one loss definition. :meth:`LocalUpdate.batch_loss` (with a gradient change, if
+any, in :meth:`LocalUpdate.correct_gradient`) serves both training paths: the in-process engine
+then trains a round's clients of it as one computation (:mod:`client_app.vectorized`) through the
+same two methods, with each client's own tensors (:meth:`LocalUpdate.tensors`) stacked. An
+objective that reads the model its own way overrides :meth:`LocalUpdate.loss` instead (or
+:meth:`LocalUpdate.gradient`, for two passes): it trains one client at a time, always. Nothing
+is declared: :meth:`LocalUpdate.vectorizable` derives it from what the class defines, and a class
+that defines both ``loss`` and ``batch_loss`` is refused when it is made.
 
-The training loop (:func:`client_app.training.train_epochs`) calls :meth:`begin` once with the
-model as received, :meth:`gradient` for every batch (then steps), :meth:`finish_steps` after the
+The training loop (:func:`client_app.training.train_epochs`, and the vectorized one) calls
+:meth:`start` once with the model as received and the rows it trains on (which calls
+:meth:`begin`), :meth:`gradient` for every batch (then steps), :meth:`finish_steps` after the
 last, and the ClientApp calls :meth:`end`.
 
 This package is the client's half of a method: the ClientApp imports it to train; the ServerApp
@@ -56,6 +62,7 @@ if TYPE_CHECKING:  # Flower only for the defaults below: the objectives train wi
     from flwr.app import RecordDict
 
     from fedmm.config import RunSettings
+    from fedmm.data import TensorData
     from fedmm.training import TrainingSettings
 
 
@@ -116,10 +123,8 @@ class LocalUpdate:
     Settings: ClassVar[type[ObjectiveSettings]] = CESettings
     #: The node's identity across runs (its partition id in simulation; set by the ClientApp).
     node: int = 0
-    #: The round's clients of this objective can train as one computation: its loss is
-    #: :meth:`batch_loss` and its gradient change :meth:`correct_gradient`, reading the client's
-    #: own tensors from :meth:`tensors` only. Declared by each class itself, never inherited.
-    vectorized: ClassVar[bool] = True
+    #: The rows the client trains on this round (set by :meth:`start`, before :meth:`begin`).
+    data: TensorData | None = None
     #: Batches this round's loss has been computed on (the index of the next one).
     batches_seen: int = 0
 
@@ -127,8 +132,20 @@ class LocalUpdate:
         super().__init_subclass__(**kwargs)
         if "Settings" in cls.__dict__:  # the declaration knows what it builds
             cls.Settings.objective_class = cls
-        if "vectorized" not in cls.__dict__:  # a subclass's own loss or step is not known to fit
-            cls.vectorized = False
+        if "loss" in cls.__dict__ and "batch_loss" in cls.__dict__:
+            raise TypeError(f"{cls.__name__} defines both loss and batch_loss: one loss definition per objective "
+                            "(batch_loss: both training paths; loss: a loss that reads the model its own way, one "
+                            "client at a time)")
+        if "vectorized" in cls.__dict__:
+            raise TypeError(f"{cls.__name__}.vectorized: nothing to declare, it is derived from what the objective "
+                            "defines (LocalUpdate.vectorizable)")
+
+    @classmethod
+    def vectorizable(cls) -> str:
+        """Why the objective's clients cannot train as one computation ("" when they can): it
+        overrides :meth:`loss` or :meth:`gradient` (its loss or step reads the model its own way)."""
+        own = [name for name in ("loss", "gradient") if getattr(cls, name) is not getattr(LocalUpdate, name)]
+        return f"it defines {' and '.join(own)} (one client at a time)" if own else ""
 
     def __init__(self, run: RunSettings | Mapping[str, Any], state: RecordDict | None = None, content: RecordDict | None = None) -> None:
         #: The run's settings (every group; the strategy's as sent by the server).
@@ -143,8 +160,24 @@ class LocalUpdate:
         self._settle_kept()
 
     # ------------------------------------------------------------------ hooks
+    def start(self, model: nn.Module, data: TensorData, server_round: int) -> None:
+        """The training loop's call before the first step (both paths): ``self.data`` becomes the
+        rows the client trains on, then :meth:`begin`."""
+        self.data = data
+        self.begin(model, server_round)
+
     def begin(self, model: nn.Module, server_round: int) -> None:
-        """Called once per round, before training, with the model as received."""
+        """Called once per round, before training, with the model as received (``self.data``: the
+        rows it trains on)."""
+
+    def label_counts(self) -> torch.Tensor:
+        """How many rows of each class the client trains on this round (int64, one entry per class
+        of the dataset): the data summary a calibrated loss reads (FedLC, FedRS)."""
+        from fedmm.data import input_spec
+
+        if self.data is None:
+            raise RuntimeError("label_counts() is known from start() on (the training loop sets the rows first)")
+        return torch.bincount(self.data.y.reshape(-1).cpu(), minlength=input_spec(self.run.dataset).num_classes)
 
     def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss to minimise, logits) for one batch: :meth:`batch_loss` with the model's own
@@ -340,8 +373,10 @@ def cross_entropy(logits: torch.Tensor, y: torch.Tensor, rows: torch.Tensor | No
 
 
 def mean_over_rows(per_row: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """The mean of a per-row quantity over the rows of weight 1 (``rows``: 1/0 per row)."""
-    return (per_row * rows).sum() / rows.sum()
+    """The mean of a per-row quantity over the rows of weight 1 (``rows``: 1/0 per row). A padded
+    row's value is left out, not multiplied by 0: it may be infinite (a calibrated loss whose
+    padding label is a class the client has no row of), and ∞·0 is NaN."""
+    return torch.where(rows > 0, per_row, torch.zeros_like(per_row)).sum() / rows.sum()
 
 
 def only_rows(values: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:

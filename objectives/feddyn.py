@@ -46,7 +46,6 @@ class FedDynClient(LocalUpdate):
     """FedDyn's local objective (see the module docstring)."""
 
     Settings = FedDynClientSettings
-    vectorized = True
 
     def begin(self, model: nn.Module, server_round: int) -> None:
         """Keep θ; load g_k (zeros the first time)."""

@@ -42,7 +42,6 @@ class FedNovaClient(LocalUpdate):
     """Plain cross-entropy SGD that reports its normalizing factor (module docstring)."""
 
     Settings = FedNovaClientSettings
-    vectorized = True
 
     def begin(self, model, server_round: int) -> None:  # noqa: ANN001 - see the base
         self.steps = 0

@@ -29,7 +29,6 @@ class FedProx(LocalUpdate):
     """CE + (μ/2)·‖w − w_global‖² over all trainable parameters (Li et al. 2020, Eq. 2)."""
 
     Settings = FedProxSettings
-    vectorized = True
 
     def begin(self, model: nn.Module, server_round: int) -> None:
         """Keep a detached copy of the received parameters."""

@@ -41,7 +41,6 @@ class FedRL(LocalUpdate):
     """
 
     Settings = FedRLSettings
-    vectorized = True
 
     def begin(self, model: nn.Module, server_round: int) -> None:
         """Freeze a copy of the received model; reset the review depth."""

@@ -66,7 +66,6 @@ class Scaffold(LocalUpdate):
     """
 
     Settings = ScaffoldClientSettings
-    vectorized = True
 
     def optimizer_args(self, training: TrainingSettings, lr: float) -> dict[str, float]:
         """SGD with SCAFFOLD's own ``momentum``."""

@@ -158,12 +158,12 @@ class Checkpointer(RunObserver):
         self.state: dict[str, Any] | None = None
 
     def on_round_end(self, server_round: int) -> None:
-        federated = self.strategy.last_evaluate_metrics
+        federated = self.strategy.context.evaluation.last_evaluate_metrics
         if federated is not None:
             self.recorder.federated[server_round] = dict(federated)
         self.round = server_round
         self.state = {
-            "round": server_round, "strategy": self.strategy.state_dict(), "rng": rng_states(),
+            "round": server_round, "strategy": self.strategy.context.state_dict(), "rng": rng_states(),
             "metrics": [dict(row) for row in self.recorder.history], "federated": dict(self.recorder.federated),
             "bytes_sent": self.grid.bytes_sent, "bytes_received": self.grid.bytes_received, "seconds": self.elapsed(),
         }

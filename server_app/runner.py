@@ -36,6 +36,7 @@ from server_app.recording import RunLock, RunRecorder, atomic_file, build_tracke
 from server_app.tracking import run_info
 from strategies import build_strategy
 from strategies.messaging import exchange
+from strategies.contract import PER_CLIENT
 from strategies.multimodel import MultiModel
 
 
@@ -241,7 +242,7 @@ def run_locked(grid: Grid, run: RunSettings, run_dir: Path, checkpoint: dict[str
         checkpoint_every = run.checkpoint_every
         start_round, seconds_before = 1, 0.0
         if checkpoint is not None:
-            strategy.load_state_dict(checkpoint["strategy"])
+            strategy.context.load_state_dict(checkpoint["strategy"])
             restore_rng_states(checkpoint["rng"])
             recorder.restore(checkpoint["metrics"], checkpoint["federated"])
             counting.bytes_sent, counting.bytes_received = checkpoint["bytes_sent"], checkpoint["bytes_received"]
@@ -256,9 +257,10 @@ def run_locked(grid: Grid, run: RunSettings, run_dir: Path, checkpoint: dict[str
         def central_evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
             if server_round % eval_every and server_round != num_rounds:
                 return None
-            several = strategy.models_to_evaluate() if server_round > 0 else None
+            more = strategy.models_to_evaluate() if server_round > 0 else None
+            several = more if strategy.holds == PER_CLIENT else None
             spread: dict[str, float] = {}
-            if several:  # e.g. SOLO: the clients' own models, each on the test split
+            if several:  # SOLO: the clients' own models, each on the test split, instead of the global model
                 results = []
                 for state in several:
                     model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in state.items()})
@@ -271,7 +273,7 @@ def run_locked(grid: Grid, run: RunSettings, run_dir: Path, checkpoint: dict[str
             else:
                 model.load_state_dict(arrays.to_torch_state_dict())
                 metrics = evaluate_model(model, test, device)
-            tracked = strategy.models_to_track() if server_round > 0 else None
+            tracked = more if strategy.holds != PER_CLIENT else None
             for index, state in enumerate(tracked or []):  # e.g. Indep's K models, each on its own
                 model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in state.items()})
                 spread[f"model_{index}_accuracy"] = evaluate_model(model, test, device)["accuracy"]
@@ -286,9 +288,9 @@ def run_locked(grid: Grid, run: RunSettings, run_dir: Path, checkpoint: dict[str
                 "bytes_received": counting.bytes_received,
             }
             if server_round > 0:
-                row["replies"] = strategy.last_round.replies
+                row["replies"] = strategy.context.last_round.replies
                 row.update({key: float(value) for key, value in strategy.round_log.items()})
-                federated = strategy.last_evaluate_metrics
+                federated = strategy.context.evaluation.last_evaluate_metrics
                 if federated:  # clients' held-out rows, example-weighted
                     row["federated_accuracy"] = federated.get("accuracy")
                     row["federated_loss"] = federated.get("loss")
@@ -329,7 +331,8 @@ def run_locked(grid: Grid, run: RunSettings, run_dir: Path, checkpoint: dict[str
             pool = strategy.pool()
             with atomic_file(run_dir / "final_models.npz", "wb") as f:
                 np.savez(f, **{f"{i}/{k}": v for i, m in enumerate(pool) for k, v in m.items()})
-        stopped = strategy.privacy.stopped if strategy.privacy is not None else ""
+        privacy = strategy.context.privacy
+        stopped = privacy.stopped if privacy is not None else ""
         status = {"status": "privacy_budget_spent", "reason": f"stopped before {stopped}"} if stopped else {"status": "completed"}
     except StopRun as err:  # an observer ended the run (a search's pruner): not an error
         status = {"status": err.status, "reason": err.reason}
@@ -362,7 +365,8 @@ def run_locked(grid: Grid, run: RunSettings, run_dir: Path, checkpoint: dict[str
                     "seconds": round(time.perf_counter() - t0, 3),
                     "bytes_sent": counting.bytes_sent,
                     "bytes_received": counting.bytes_received,
-                    **({"privacy": strategy.privacy.summary()} if getattr(strategy, "privacy", None) else {}),
+                    **({"privacy": strategy.context.privacy.summary()}
+                       if strategy is not None and strategy.context.privacy is not None else {}),
                 },
             )
             if recorder.history:

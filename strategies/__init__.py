@@ -45,15 +45,35 @@ def methods() -> dict[str, type[Method]]:
             if getattr(cls, "strategy_class", None) is not None}
 
 
+#: Method classes that became a method with a setting: {old name: (the method's class name, the settings)}.
+DEPRECATED = {"FedMRAsync": ("FedMR", {"asynchronous": {"enabled": True}}),
+              "FedCrossAsync": ("FedCross", {"asynchronous": {"enabled": True}})}
+
+
 def __getattr__(name: str) -> Any:
     """``from strategies import FedMR``: a method class, by its name among the declared methods;
-    ``__all__``: the foundations and every declared method class."""
+    ``__all__``: the foundations and every declared method class. A deprecated name gives a
+    function that builds its method with the settings that replaced it (with a DeprecationWarning)."""
     if name == "__all__":
         return FOUNDATIONS + sorted(methods())
+    if name in DEPRECATED:
+        return _deprecated(name, *DEPRECATED[name])
     found = methods().get(name) if not name.startswith("_") else None
     if found is None:
         raise AttributeError(f"module 'strategies' has no attribute {name!r}")
     return found
+
+
+def _deprecated(name: str, method: str, changes: dict[str, Any]) -> Any:
+    import warnings
+
+    def build(*args: Any, **kwargs: Any) -> Method:
+        warnings.warn(f"strategies.{name} is deprecated: use {method}(..., " + ", ".join(f"{k}={v!r}" for k, v in changes.items())
+                      + ")", DeprecationWarning, stacklevel=2)
+        return methods()[method](*args, **{**changes, **kwargs})
+
+    build.__name__ = build.__qualname__ = name
+    return build
 
 
 def __dir__() -> list[str]:
@@ -62,6 +82,8 @@ def __dir__() -> list[str]:
 
 def build_strategy(config: Any, observers: Iterable[RunObserver] = ()) -> Strategy:
     """The strategy that ``strategy.name`` selects, with its client selector, its clock's work
-    model and the roster query (``config``: run settings, or a plain config to validate), seen by ``observers``."""
-    run = as_run(config)
-    return run.strategy.strategy_class.from_settings(run, observers)
+    model and the roster query (``config``: run settings, or a plain config to validate), seen by
+    ``observers`` (:func:`strategies.context.build_strategy`)."""
+    from strategies.context import build_strategy as build
+
+    return build(as_run(config), observers)

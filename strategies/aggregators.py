@@ -36,8 +36,15 @@ import numpy as np
 from fedmm.protocol import ClientUpdate, ModelDict
 from strategies.aggregation import mean_models, weighted_mean_models
 
-#: How a round's updates are weighed where the run decides it (the selector's weights), or None.
-Weigh = Callable[[list[ClientUpdate]], Sequence[float] | None]
+#: How a round's updates are weighed (the round's weighting stage decides it: strategies/stages.py).
+Weigh = Callable[[list[ClientUpdate]], Sequence[float]]
+
+
+def weights_of(updates: Sequence[ClientUpdate], chosen: Sequence[float] | None = None) -> list[float]:
+    """The weights of ``updates`` in a one-model mean: ``chosen`` (a selector's) where given, else
+    ``num-examples``; equal weights when they sum to nothing (no update reports examples)."""
+    weights = [u.num_examples for u in updates] if chosen is None else [float(w) for w in chosen]
+    return weights if sum(weights) > 0 else [1.0] * len(updates)
 
 #: config name -> byzfl's aggregator class. Left out: MoNNA, which needs a trusted vector (the
 #: server's own update) that a federation's server does not have.
@@ -141,7 +148,8 @@ class Mean:
     f, bucket_size, clip_threshold
         The hostile nodes tolerated; Bucketing's bucket size; Clipping's norm.
     weigh : callable, optional
-        The selector's weights of a round's updates (clustered sampling), None to use ``num-examples``.
+        The weights of a round's updates, as the run's weighting stage decides them
+        (:class:`strategies.stages.Weighting`); None: :func:`weights_of` (``num-examples``).
     reference : model, optional
         The model the round's updates were sent: the robust chain acts on the differences to it.
     """
@@ -208,10 +216,6 @@ class Mean:
         return {key: out[key] for key in first}
 
     def weights(self, updates: list[ClientUpdate]) -> list[float]:
-        """The weights of ``updates`` in a one-model mean: the selector's where it decides them,
-        else ``num-examples`` (equal weights when none reports examples)."""
-        chosen = self.weigh(updates) if self.weigh is not None else None
-        weights = [u.num_examples for u in updates] if chosen is None else list(chosen)
-        if sum(weights) <= 0:
-            weights = [1.0] * len(updates)
-        return list(weights)
+        """The weights of ``updates`` in a one-model mean, as the run decides them (the weighting
+        stage: the selector's, else ``num-examples``; unweighted under differential privacy)."""
+        return list(self.weigh(updates)) if self.weigh is not None else weights_of(updates)

@@ -48,7 +48,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from logging import INFO, WARNING
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
@@ -59,31 +59,54 @@ from fedmm import protocol
 from fedmm.errors import ConfigError
 from fedmm.interrupt import STOP, raise_if_stopped
 from fedmm.protocol import ClientUpdate, ModelDict
-from fedmm.settings import Int, Nullable, setting
-from strategies.base import RunFailed
-from strategies.ledger import ReplyCheck
+from fedmm.settings import Bool, Int, Nullable, Settings, setting
+from strategies.contract import PER_NODE
+from strategies.ledger import ReplyCheck, RunFailed
 from strategies.messaging import POLL_INTERVAL
-from strategies.method import PER_NODE
 from strategies.rounds import begin, end
 
-if TYPE_CHECKING:
-    from strategies.method import Method
+#: The run context (:class:`strategies.context.RunContext`): the driver runs any method's, and imports none.
+RunContext = Any
 
 #: rng stream of the dispatch draws after the first of a round (0: training, 1: evaluation).
 ASYNC_STREAM = 2
 
 
-def buffer_setting(what: str, of: str) -> Any:
-    """The ``buffer_size`` setting (B) of an asynchronous method."""
-    return setting(None, Nullable(Int(min=1), "null (half, rounded up) or an integer >= 1"),
-                   f"B: {what} per aggregation (null: half of {of}, rounded up)", label="B {}")
+@dataclass
+class AsyncSettings(Settings):
+    """``strategy.asynchronous``: the method's rounds without a barrier (docs/async.md); a method
+    runs so only when it declares the asynchronous driver (:attr:`strategies.method.Method.drivers`)."""
 
+    keyed = False
+    #: Declared after runs were made: every value of a run made before (synchronous).
+    added = {"enabled": False, "buffer_size": None, "max_staleness": None, "concurrency": None}
+    enabled: bool = setting(False, Bool(), "no round barrier: the asynchronous driver sends each model to the next free "
+                            "client and aggregates every B updates (FedBuff; FedMR and FedCross: every B models back)")
+    buffer_size: int | None = setting(None, Nullable(Int(min=1), "null (half, rounded up) or an integer >= 1"),
+                                      "B: the updates of an aggregation: accepted updates for a method with one model, "
+                                      "models back (trained or failed) for one with a model per node (null: half of "
+                                      "the concurrency, or of clients_per_round, rounded up)", label="B {}")
+    max_staleness: int | None = setting(None, Nullable(Int(min=0), "null (no bound) or an integer >= 0"),
+                                        "an update whose client trained on a copy more than this many aggregations old "
+                                        "is dropped (one model), or its model restarts from the global model (a model "
+                                        "per node); null: no bound", label="max staleness {}")
+    concurrency: int | None = setting(None, Nullable(Int(min=1), "null (clients_per_round) or an integer >= 1"),
+                                      "C: clients training at the same time, for a method with one model (null: "
+                                      "clients_per_round; a method with a model per node has its K models in flight)",
+                                      label="C {}")
 
-def max_staleness_setting(what: str) -> Any:
-    """The ``max_staleness`` setting of an asynchronous method."""
-    return setting(None, Nullable(Int(min=0), "null (no bound) or an integer >= 0"),
-                   f"{what} when its client trained on a copy more than this many aggregations old (null: no bound)",
-                   label="max staleness {}")
+    def check_values(self, prefix: str) -> None:
+        """The driver's settings need the driver."""
+        if self.enabled:
+            return
+        for name in ("buffer_size", "max_staleness", "concurrency"):
+            if getattr(self, name) is not None:
+                raise ConfigError(f"{prefix}{name}", getattr(self, name), f"null while {prefix}enabled is false (it is "
+                                  "a setting of the asynchronous driver)")
+
+    def buffer(self, holds: str, clients_per_round: int) -> int:
+        """B: ``buffer_size``, else half the jobs in flight (the concurrency, or K), rounded up."""
+        return self.buffer_size or half(clients_per_round if holds == PER_NODE else self.concurrency or clients_per_round)
 
 
 def half(n: int) -> int:
@@ -91,19 +114,25 @@ def half(n: int) -> int:
     return max(1, math.ceil(n / 2))
 
 
-def check_async(settings: Any, run: Any, buffer_of: int | None = None) -> None:
-    """Rules every asynchronous method has: uniform draws, modelled work on the virtual clock,
-    B at most ``buffer_of``."""
+def check_async(settings: Any, run: Any) -> None:
+    """Rules of the asynchronous driver: uniform draws, modelled work on the virtual clock, B at
+    most the K models of a method with a model per node (which has no concurrency), C at most N."""
+    a, holds = settings.asynchronous, settings.strategy_class.holds
     if run.selection.name != "uniform":
-        raise ConfigError("selection", run.selection.name, f"uniform with strategy={settings.option} (an asynchronous "
-                          "strategy draws each job's client among the free ones)")
+        raise ConfigError("selection", run.selection.name, f"uniform with strategy={settings.option} and "
+                          "strategy.asynchronous.enabled=true (each job's client is drawn among the free ones)")
     h = settings.heterogeneity
     if h.clock == "virtual" and h.work == "measured":
         raise ConfigError("strategy.heterogeneity.work", h.work, f"modelled with strategy={settings.option} on the "
                           "virtual clock (jobs are ordered by their durations before their replies are in)")
-    if buffer_of is not None and settings.buffer_size is not None and settings.buffer_size > buffer_of:
-        raise ConfigError("strategy.buffer_size", settings.buffer_size, f"at most {buffer_of} (clients_per_round: the "
-                          "models of the run)")
+    if holds == PER_NODE and a.concurrency is not None:
+        raise ConfigError("strategy.asynchronous.concurrency", a.concurrency, f"null with strategy={settings.option} (a "
+                          "method with a model per node keeps its K models in flight, one per model)")
+    if holds == PER_NODE and a.buffer_size is not None and a.buffer_size > run.clients_per_round:
+        raise ConfigError("strategy.asynchronous.buffer_size", a.buffer_size, f"at most {run.clients_per_round} "
+                          "(clients_per_round: the models of the run)")
+    if a.concurrency is not None and a.concurrency > run.num_clients:
+        raise ConfigError("strategy.asynchronous.concurrency", a.concurrency, f"at most num_clients ({run.num_clients})")
 
 
 @dataclass
@@ -146,8 +175,9 @@ class OneModelJobs:
     accepted updates end a round (``buffer_size``, default ⌈C/2⌉), and so do B failed jobs in a
     row (no aggregation then); an update older than ``max_staleness`` versions is dropped."""
 
-    def __init__(self, strategy: Method, loop: AsyncRound) -> None:
-        self.strategy, self.loop = strategy, loop
+    def __init__(self, context: RunContext, loop: AsyncRound) -> None:
+        self.context, self.loop, self.method = context, loop, context.method
+        self.settings = self.method.settings.asynchronous
         #: The model versions that jobs in flight were sent (and the current one).
         self.versions: dict[int, ModelDict] = {}
         self.buffered: list[ClientUpdate] = []
@@ -155,19 +185,19 @@ class OneModelJobs:
         self.failed_in_a_row = 0
 
     def limit(self) -> int:
-        return self.strategy.settings.concurrency or self.strategy.clients_per_round
+        return self.settings.concurrency or self.method.clients_per_round
 
     def minimum_nodes(self) -> int:
         return self.limit()
 
     def buffer(self) -> int:
-        return self.strategy.settings.buffer_size or half(self.limit())
+        return self.settings.buffer(self.method.holds, self.method.clients_per_round)
 
     def wanted(self) -> list[int]:
         return [0] * max(0, self.limit() - len(self.loop.jobs))
 
     def payload(self, job: Job) -> ModelDict:
-        return self.versions.setdefault(job.version, self.strategy.models[0])
+        return self.versions.setdefault(job.version, self.method.models[0])
 
     def sent(self, job: Job) -> None:
         self.payload(job)
@@ -175,7 +205,7 @@ class OneModelJobs:
     def arrive(self, job: Job) -> bool:
         """Keep the update (or drop it); True when the round is over."""
         staleness = self.loop.staleness(job)
-        limit = self.strategy.settings.max_staleness
+        limit = self.settings.max_staleness
         reason = job.failure
         if not reason and limit is not None and staleness > limit:
             reason = f"staleness {staleness} exceeds max_staleness ({limit}): update dropped"
@@ -200,15 +230,15 @@ class OneModelJobs:
         (arrays, metrics, whether an aggregation was made)."""
         updates = self.buffered
         if len(updates) < self.buffer():  # B failed jobs in a row: no step this round
-            self.strategy.last_round.replies, self.strategy.last_round.rejections = 0, list(self.loop.failures)
+            self.context.last_round.replies, self.context.last_round.rejections = 0, list(self.loop.failures)
             self.loop.log_round(server_round, 0, self.failed_in_a_row)
             self.failed_in_a_row = 0
             return None, MetricRecord({"replies": 0.0}), False
         self.buffered = []
         self.loop.log_staleness([u.staleness for u in updates])
-        arrays, metrics = end(self.strategy, self.loop.version + 1, updates, self.loop.failures)
-        self.versions[self.loop.version + 1] = self.strategy.models[0]
-        self.loop.log_round(server_round, self.strategy.last_round.replies, len(updates) + len(self.loop.failures))
+        arrays, metrics = end(self.context, self.loop.version + 1, updates, self.loop.failures)
+        self.versions[self.loop.version + 1] = self.method.models[0]
+        self.loop.log_round(server_round, self.context.last_round.replies, len(updates) + len(self.loop.failures))
         return arrays, metrics, True
 
     def state_dict(self) -> dict[str, Any]:
@@ -227,32 +257,33 @@ class PerNodeJobs:
     back (trained, failed, or too stale: ``max_staleness``, the model restarts from the global
     model) end a round, whose operation acts among those B (``buffer_size``, default ⌈K/2⌉)."""
 
-    def __init__(self, strategy: Method, loop: AsyncRound) -> None:
-        self.strategy, self.loop = strategy, loop
+    def __init__(self, context: RunContext, loop: AsyncRound) -> None:
+        self.context, self.loop, self.method = context, loop, context.method
+        self.settings = self.method.settings.asynchronous
         #: Models at the server waiting for a free client, in the order they go out.
-        self.ready: list[int] = list(range(strategy.clients_per_round))
+        self.ready: list[int] = list(range(self.method.clients_per_round))
         #: Models back since the last aggregation: index -> the accepted update (None: failed, or too stale).
         self.arrived: dict[int, ClientUpdate | None] = {}
 
     def minimum_nodes(self) -> int:
-        return self.strategy.clients_per_round
+        return self.method.clients_per_round
 
     def buffer(self) -> int:
-        return self.strategy.settings.buffer_size or half(self.strategy.clients_per_round)
+        return self.settings.buffer(self.method.holds, self.method.clients_per_round)
 
     def wanted(self) -> list[int]:
         return list(self.ready)
 
     def payload(self, job: Job) -> ModelDict:
-        return self.strategy.models[job.model_index]
+        return self.method.models[job.model_index]
 
     def sent(self, job: Job) -> None:
         self.ready.remove(job.model_index)
 
     def arrive(self, job: Job) -> bool:
         """The model is back: trained, or as it was sent (failed), or restarted (too stale)."""
-        s = self.strategy
-        staleness, limit = self.loop.staleness(job), s.settings.max_staleness
+        s = self.method
+        staleness, limit = self.loop.staleness(job), self.settings.max_staleness
         update = None if job.failure else job.update
         if update is not None and limit is not None and staleness > limit:
             self.loop.failures.append(f"{self.loop.name(job)}: staleness {staleness} exceeds max_staleness "
@@ -270,12 +301,12 @@ class PerNodeJobs:
         updates = [u for u in (self.arrived[i] for i in indices) if u is not None]
         self.loop.log_staleness([u.staleness for u in updates])
         before = len(self.loop.failures)
-        arrays, metrics = end(self.strategy, self.loop.version + 1, updates, self.loop.failures, members=indices)
+        arrays, metrics = end(self.context, self.loop.version + 1, updates, self.loop.failures, members=indices)
         for reason in self.loop.failures[before:]:
             log(WARNING, "\t> rejected: %s", reason)
         self.arrived = {}
         self.ready = sorted(self.ready + indices)
-        self.loop.log_round(server_round, self.strategy.last_round.replies, len(indices))
+        self.loop.log_round(server_round, self.context.last_round.replies, len(indices))
         return arrays, metrics, True
 
     def state_dict(self) -> dict[str, Any]:
@@ -291,14 +322,9 @@ class AsyncRound:
     """The asynchronous driver (module docstring): jobs, dispatch, order, faults and resume; what
     a job carries and what ends a round is its policy's (:class:`OneModelJobs` or :class:`PerNodeJobs`)."""
 
-    #: Refused with secure recombination (its exchanges need one synchronous round's clients).
-    asynchronous = True
-    #: The roster query asks the nodes for their sizes (the virtual clock times a job when it is sent).
-    needs_sizes = True
-
-    def __init__(self, strategy: Method) -> None:
-        self.strategy = strategy
-        self.policy = (PerNodeJobs if strategy.holds == PER_NODE else OneModelJobs)(strategy, self)
+    def __init__(self, context: RunContext) -> None:
+        self.context = context
+        self.policy = (PerNodeJobs if context.method.holds == PER_NODE else OneModelJobs)(context, self)
         #: Aggregations so far (the version of the server's models).
         self.version = 0
         #: The jobs in flight.
@@ -314,7 +340,7 @@ class AsyncRound:
 
     # ================================================================== the driver
     def configure(self, *args: Any) -> list[Message]:
-        raise NotImplementedError(f"{type(self.strategy).__name__} runs its own asynchronous loop: call its start() "
+        raise NotImplementedError(f"{type(self.context.method).__name__} runs its own asynchronous loop: call its start() "
                                   "(Flower's configure_train / aggregate_train drive synchronous rounds)")
 
     aggregate = configure
@@ -322,12 +348,12 @@ class AsyncRound:
     def start(self, num_rounds: int) -> None:
         """No job is sent after the last aggregation; the clock starts."""
         self.num_rounds = num_rounds
-        self.strategy.clock.restart()
+        self.context.clock.restart()
 
     def run(self, server_round: int, grid: Grid, arrays: ArrayRecord, config: ConfigRecord,
             timeout: float) -> tuple[ArrayRecord | None, MetricRecord]:
         """Handle ended jobs, sending new ones, until the next aggregation (one "round")."""
-        s = self.strategy
+        s = self.context
         begin(s, arrays)
         flight = self.flight
         self.failures, flight.train_config = [], config
@@ -345,7 +371,7 @@ class AsyncRound:
                 if self.policy.arrive(job):
                     break
                 flight.dispatch(grid)
-        s.round_log.update({"virtual_time": s.clock.now, "in_flight": float(len(self.jobs))})
+        s.method.round_log.update({"virtual_time": s.clock.now, "in_flight": float(len(self.jobs))})
         with s.observers.phase(server_round, "aggregate"):
             arrays, metrics, aggregated = self.policy.close(server_round)
         if aggregated:  # a new version: its draws start at stream 0 again
@@ -358,25 +384,25 @@ class AsyncRound:
 
     def describe(self) -> str:
         return (f"Asynchronous: B={self.policy.buffer()} per aggregation, at most {self.policy.minimum_nodes()} jobs in "
-                f"flight, {self.strategy.clock.settings.clock} clock")
+                f"flight, {self.context.clock.settings.clock} clock")
 
     def staleness(self, job: Job) -> int:
         """Aggregations since the job's model was sent."""
         return self.version - job.version
 
     def name(self, job: Job) -> str:
-        several = len(self.strategy.models or []) > 1
+        several = len(self.context.method.models or []) > 1
         return f"node {job.node} (job {job.id}" + (f", model {job.model_index})" if several else ")")
 
     def log_staleness(self, staleness: list[int]) -> None:
         if staleness:
-            self.strategy.round_log.update({"staleness_mean": sum(staleness) / len(staleness),
+            self.context.method.round_log.update({"staleness_mean": sum(staleness) / len(staleness),
                                             "staleness_max": float(max(staleness))})
 
     def log_round(self, server_round: int, used: int, ended: int) -> None:
         log(INFO, "aggregate_train: round %d (version %d): %d of %d ended jobs used, %d failed, %d in flight, "
             "virtual time %.2fs", server_round, self.version + 1, used, ended, len(self.failures), len(self.jobs),
-            self.strategy.clock.now)
+            self.context.clock.now)
 
     # ================================================================== state
     def state_dict(self) -> dict[str, Any]:
@@ -418,11 +444,11 @@ class Flight:
 
     def roster(self, grid: Grid) -> list[int]:
         """The connected nodes ordered by their stable keys (as the selector orders them)."""
-        return list(self.loop.strategy.selector.ordered_nodes(grid, self.loop.policy.minimum_nodes()))
+        return list(self.loop.context.selector.ordered_nodes(grid, self.loop.policy.minimum_nodes()))
 
     def dispatch(self, grid: Grid) -> None:
         """Send the wanted models to free clients, drawn at random (module docstring)."""
-        s = self.loop.strategy
+        s = self.loop.context
         wanted = self.loop.policy.wanted()
         if not wanted:
             return
@@ -434,14 +460,14 @@ class Flight:
         count = min(len(wanted), len(free))
         if count == 0:
             return
-        rng = np.random.default_rng([s.seed, self.loop.version + 1] + ([ASYNC_STREAM, self.draws] if self.draws else []))
+        rng = np.random.default_rng([s.method.seed, self.loop.version + 1] + ([ASYNC_STREAM, self.draws] if self.draws else []))
         self.draws += 1
         picked = [free[i] for i in rng.choice(len(free), size=count, replace=False)]
         jobs = [self._new_job(index, node, now) for index, node in zip(wanted, picked)]
         self._push(grid, [job for job in jobs if not job.lost])
 
     def _new_job(self, model_index: int, node: int, now: float) -> Job:
-        s = self.loop.strategy
+        s = self.loop.context
         key = s.selector.node_key(node)
         server_round = self.loop.version + 1
         last = self.repeats.get(key)
@@ -461,20 +487,20 @@ class Flight:
         if duration is None:
             return
         job.duration = duration
-        job.finish, job.lost = self.loop.strategy.clock.cut(job.key, job.start, duration)
+        job.finish, job.lost = self.loop.context.clock.cut(job.key, job.start, duration)
 
     def _message(self, job: Job) -> Message:
-        s = self.loop.strategy
+        s = self.loop.context
         cache = (job.version, job.model_index)
         if cache not in self._encoded:
             self._encoded[cache] = protocol.model_to_record(self.loop.policy.payload(job))
         config = {**dict(self.train_config), protocol.SERVER_ROUND: job.server_round, protocol.MODEL_INDEX: job.model_index,
-                  protocol.ACCEPTED_ROUND: s.replies.accepted_rounds.get(job.node, 0)}
+                  protocol.ACCEPTED_ROUND: s.replies.accepted_rounds.get(job.node, 0), **s.train_config(job.server_round)}
         if job.repeat:
             config[protocol.ROUND_REPEAT] = job.repeat
         return protocol.server_message(protocol.TRAIN, job.node, config, self._encoded[cache],
-                                       s.extra_records(job.server_round, job.model_index),
-                                       arrays_key=s.arrayrecord_key, config_key=s.configrecord_key)
+                                       s.method.extra_records(job.server_round, job.model_index),
+                                       arrays_key=s.conventions.arrayrecord_key, config_key=s.conventions.configrecord_key)
 
     def forget_encoded(self, version: int) -> None:
         """Only the messages' models of the current version stay encoded."""
@@ -499,7 +525,7 @@ class Flight:
         restored = [job for job in self.jobs.values() if job.message_id is None and not job.replied and not job.lost]
         if not restored:
             return
-        nodes = {self.loop.strategy.selector.node_key(n): n for n in self.roster(grid)}
+        nodes = {self.loop.context.selector.node_key(n): n for n in self.roster(grid)}
         for job in restored:
             if job.key in nodes:
                 job.node = nodes[job.key]
@@ -509,7 +535,7 @@ class Flight:
 
     def _receive(self, job: Job, reply: Message) -> None:
         """Decode and check a reply as the synchronous round does (:class:`~strategies.ledger.ReplyCheck`)."""
-        s = self.loop.strategy
+        s = self.loop.context
         update, reason = ReplyCheck.of(s, job.server_round).check(reply, job.model_index, job.node)
         job.update, job.reason, job.replied, job.arrived_at = update, reason, True, time.monotonic()
         if s.clock.virtual and job.duration is None:
@@ -529,7 +555,7 @@ class Flight:
 
     def next_ended(self, grid: Grid, timeout: float) -> Job:
         """The next job to handle (module docstring, "Order"), waiting for it as long as needed."""
-        clock = self.loop.strategy.clock
+        clock = self.loop.context.clock
         while True:
             raise_if_stopped()
             self._pull(grid)
@@ -556,7 +582,7 @@ class Flight:
 
     def _due(self) -> Job | None:
         """The job whose end comes next, if it can be handled now."""
-        clock = self.loop.strategy.clock
+        clock = self.loop.context.clock
         jobs = list(self.jobs.values())
         if not jobs:
             return None
@@ -574,7 +600,7 @@ class Flight:
     def _wake(self, grid: Grid) -> float:
         """Virtual clock with availability: when the first free offline client comes online,
         if a model waits for one (inf otherwise)."""
-        s = self.loop.strategy
+        s = self.loop.context
         if not s.clock.settings.offline_fraction or not self.loop.policy.wanted():
             return math.inf
         busy = {job.node for job in self.jobs.values()}
@@ -585,7 +611,7 @@ class Flight:
     def _idle(self, grid: Grid) -> None:
         """Nothing in flight and the round not over: no client was free and online. Move the
         virtual clock to the first moment one is online (real clock: wait a moment) and send."""
-        s = self.loop.strategy
+        s = self.loop.context
         if s.clock.virtual:
             keys = [s.selector.node_key(n) for n in self.roster(grid)]
             soonest = min((s.clock.next_online(k, s.clock.now) for k in keys), default=s.clock.now)
@@ -594,4 +620,4 @@ class Flight:
             raise_if_stopped()
         self.dispatch(grid)
         if not self.jobs and not self.loop.policy.wanted():
-            raise RunFailed(f"{type(s).__name__}: no job in flight and no model to send (version {self.loop.version})")
+            raise RunFailed(f"{type(s.method).__name__}: no job in flight and no model to send (version {self.loop.version})")

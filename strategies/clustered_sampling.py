@@ -138,6 +138,7 @@ class ClusteredSelector(SeededRosterSelector):
         # representative gradients: one row per node key (flattened trainable parameters, float32)
         self._grad_row: dict[str, int] = {}
         self._grads: np.ndarray | None = None
+        self._undo: dict[int, np.ndarray] | None = None  # rows the round in progress overwrote (snapshot)
         # distance matrix over ``_matrix_keys`` (faithful: a cache; fedmr_port: the port's state)
         self._matrix_keys: list[str] = []
         self._matrix: np.ndarray | None = None
@@ -210,6 +211,21 @@ class ClusteredSelector(SeededRosterSelector):
             clustering.port_partial_update(self._matrix, grads, [index[k] for k in self._drawn_keys if k in index],
                                            self.distance)
 
+    def snapshot(self) -> Any:
+        """An undo log of the round's observations: the rows they overwrite are kept as
+        :meth:`_store` overwrites them (K rows, not the N × P gradients of a checkpoint)."""
+        self._undo = {}
+        return {"rows": dict(self._grad_row), "dirty": set(self._dirty), "matrix_keys": list(self._matrix_keys),
+                "matrix": None if self._matrix is None else np.array(self._matrix, copy=True), "undo": self._undo}
+
+    def restore(self, saved: Any) -> None:
+        """Put back the rows, the distance matrix and the keys as :meth:`snapshot` found them."""
+        for row, grad in saved["undo"].items():
+            self._grads[row] = grad
+        self._grad_row, self._dirty = dict(saved["rows"]), set(saved["dirty"])
+        self._matrix_keys, self._matrix = list(saved["matrix_keys"]), saved["matrix"]
+        self._undo = None
+
     def _store(self, key: str, grad: np.ndarray) -> None:
         if self._grads is None:
             self._grads = np.zeros((max(self.num_clients, 1), grad.size), dtype=np.float32)
@@ -219,7 +235,11 @@ class ClusteredSelector(SeededRosterSelector):
             if len(self._grad_row) == len(self._grads):
                 self._grads = np.concatenate([self._grads, np.zeros_like(self._grads)])
             self._grad_row[key] = len(self._grad_row)
-        self._grads[self._grad_row[key]] = grad
+        row = self._grad_row[key]
+        undo = self._undo
+        if undo is not None and row not in undo:  # a round that may be rolled back: keep what it overwrites
+            undo[row] = np.array(self._grads[row], copy=True)
+        self._grads[row] = grad
         self._dirty.add(key)
 
     def _grads_for(self, keys: Sequence[str]) -> np.ndarray:

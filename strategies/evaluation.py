@@ -1,10 +1,10 @@
 """The evaluation half of the round loop, and the metrics of replies.
 
-:class:`FederatedEvaluation` is the part of :class:`~strategies.base.FedmmStrategy` that
+:class:`FederatedEvaluation` is the part of a run (:class:`~strategies.context.RunContext`) that
 evaluates: Flower's ``configure_evaluate`` / ``aggregate_evaluate`` (federated evaluation of the
 global model on a seeded ``fraction_evaluate`` of the nodes), the central evaluation of each
-round (``evaluate_fn``, also on each of the server's models with ``evaluate_models``), the models
-the runner's central evaluation reports on, and the aggregated train metrics of a round.
+round (``evaluate_fn``, also on each of the server's models with ``evaluate_models``) and the
+aggregated train metrics of a round.
 """
 
 from __future__ import annotations
@@ -12,22 +12,17 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields
 from logging import INFO, WARNING
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Strategy
 from flwr.supercore import log
 
 from fedmm import protocol
-from fedmm.observers import Observers
-from fedmm.protocol import ClientUpdate, ModelDict
+from fedmm.protocol import ClientUpdate
 from strategies.loop_log import MultiModelResult, metrics_text
 from strategies.messaging import exchange
-
-if TYPE_CHECKING:
-    from strategies.selection import ClientSelector
 
 #: Flower's metric aggregation function: (the replies' RecordDicts, the weighting key) -> MetricRecord.
 MetricsAggregation = Callable[[list[RecordDict], str], MetricRecord]
@@ -67,55 +62,39 @@ def default_metrics_aggregation(records: list[RecordDict], weighted_by_key: str)
          for rd in records], weighted_by_key))
 
 
-class FederatedEvaluation(Strategy):
-    """Evaluation and reply metrics of a round-loop strategy (module docstring).
+class FederatedEvaluation:
+    """Evaluation and reply metrics of a run (module docstring).
 
-    Reads the strategy's ``selector``, ``models``, ``fraction_evaluate``, Flower's record
-    conventions (``weighted_by_key``, ``arrayrecord_key``, ``configrecord_key``,
-    ``train_metrics_aggr_fn``, ``evaluate_metrics_aggr_fn``, ``evaluate_models``) and sends
-    with its ``send``.
+    Parameters
+    ----------
+    context : RunContext
+        The run (:class:`strategies.context.RunContext`): its selector, its method's models and
+        ``fraction_evaluate``, Flower's record conventions (``weighted_by_key``,
+        ``arrayrecord_key``, ``configrecord_key``, ``train_metrics_aggr_fn``,
+        ``evaluate_metrics_aggr_fn``, ``evaluate_models``), its observers.
     """
 
-    selector: ClientSelector
-    models: list[ModelDict] | None
-    fraction_evaluate: float
-    weighted_by_key: str
-    arrayrecord_key: str
-    configrecord_key: str
-    train_metrics_aggr_fn: MetricsAggregation | None
-    evaluate_metrics_aggr_fn: MetricsAggregation | None
-    evaluate_models: bool
-    send: Callable[..., list[Message]]
-    observers: Observers
-
-    #: Federated-evaluation metrics of the current round (None when clients did not evaluate).
-    last_evaluate_metrics: dict[str, float] | None = None
-
-    # ================================================================== hooks
-    def models_to_evaluate(self) -> list[ModelDict] | None:
-        """Several models for the central evaluation to report on (mean and spread of their
-        accuracy), or None: the global model is evaluated (default)."""
-        return None
-
-    def models_to_track(self) -> list[ModelDict] | None:
-        """Models whose own accuracy the central evaluation records beside the global model's
-        (``model_<i>_accuracy``), or None (default)."""
-        return None
+    def __init__(self, context: Any) -> None:
+        self.context = context
+        self.conventions: Conventions = context.conventions
+        #: Federated-evaluation metrics of the current round (None when clients did not evaluate).
+        self.last_evaluate_metrics: dict[str, float] | None = None
 
     # ================================================================== Flower Strategy API
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Federated evaluation of the global model on a seeded ``fraction_evaluate`` of the nodes."""
-        if self.fraction_evaluate <= 0.0:
+        fraction = self.context.method.settings.fraction_evaluate
+        if fraction <= 0.0:
             return []
         num_nodes = len(list(grid.get_node_ids()))
-        size = max(1, min(num_nodes, int(num_nodes * self.fraction_evaluate)))
+        size = max(1, min(num_nodes, int(num_nodes * fraction)))
         node_config = {**dict(config), protocol.SERVER_ROUND: server_round}
-        node_ids = self.selector.select(grid, server_round, size, stream=1)
+        node_ids = self.context.selector.select(grid, server_round, size, stream=1)
         log(INFO, "configure_evaluate: Sampled %s nodes (out of %s)", len(node_ids), num_nodes)
-        return [protocol.server_message(protocol.EVALUATE, n, node_config, arrays, arrays_key=self.arrayrecord_key,
-                                        config_key=self.configrecord_key) for n in node_ids]
+        return [protocol.server_message(protocol.EVALUATE, n, node_config, arrays, arrays_key=self.conventions.arrayrecord_key,
+                                        config_key=self.conventions.configrecord_key) for n in node_ids]
 
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message], sent_to: Mapping[str, int] | None = None
@@ -136,7 +115,7 @@ class FederatedEvaluation(Strategy):
                 rejected.setdefault(reason, []).append(node)
                 continue
             metrics = protocol.reply_metrics(reply)
-            reason = protocol.check_evaluate_metrics(metrics, self.weighted_by_key)
+            reason = protocol.check_evaluate_metrics(metrics, self.conventions.weighted_by_key)
             if reason:
                 rejected.setdefault(reason, []).append(node)
                 continue
@@ -149,9 +128,9 @@ class FederatedEvaluation(Strategy):
                 "y" if len(nodes) == 1 else "ies", shown, reason)
         if not valid:
             return None
-        if self.evaluate_metrics_aggr_fn is not None:
-            return self.evaluate_metrics_aggr_fn(contents, self.weighted_by_key)
-        return MetricRecord(protocol.weighted_metrics(valid, self.weighted_by_key))
+        if self.conventions.evaluate_metrics_aggr_fn is not None:
+            return self.conventions.evaluate_metrics_aggr_fn(contents, self.conventions.weighted_by_key)
+        return MetricRecord(protocol.weighted_metrics(valid, self.conventions.weighted_by_key))
 
     # ================================================================== one round's evaluation
     def send(self, grid: Grid, messages: list[Message], timeout: float,
@@ -169,7 +148,7 @@ class FederatedEvaluation(Strategy):
     def evaluate_initial(self, arrays: ArrayRecord, evaluate_fn: EvaluateFn | None, result: MultiModelResult) -> None:
         """The central evaluation of the initial model (round 0), into ``result``."""
         if evaluate_fn:
-            with self.observers.phase(0, "evaluate"):
+            with self.context.observers.phase(0, "evaluate"):
                 res = evaluate_fn(0, arrays)
             log(INFO, "Initial global evaluation results: %s", metrics_text(res))
             if res is not None:
@@ -183,7 +162,7 @@ class FederatedEvaluation(Strategy):
         :attr:`last_evaluate_metrics`), then central with ``evaluate_fn``; results into ``result``."""
         messages = list(self.configure_evaluate(server_round, arrays, config, grid))
         sent = [message.metadata for message in messages]  # their ids are set when pushed
-        with self.observers.phase(server_round, "evaluate_exchange"):
+        with self.context.observers.phase(server_round, "evaluate_exchange"):
             eval_replies = self.send(grid, messages, timeout)
         self.last_evaluate_metrics = None
         if eval_replies:
@@ -196,19 +175,19 @@ class FederatedEvaluation(Strategy):
                 self.last_evaluate_metrics = dict(eval_metrics)
         if evaluate_fn:
             log(INFO, "Global evaluation")
-            with self.observers.phase(server_round, "evaluate"):
+            with self.context.observers.phase(server_round, "evaluate"):
                 res = evaluate_fn(server_round, arrays)
             log(INFO, "\t└──> MetricRecord: %s", metrics_text(res))
             if res is not None:
                 result.evaluate_metrics_serverapp[server_round] = res
-            if self.evaluate_models and self.models:
+            if self.conventions.evaluate_models and self.context.method.models:
                 result.evaluate_metrics_models[server_round] = self.evaluate_each_model(server_round, evaluate_fn)
 
     def evaluate_each_model(self, server_round: int, evaluate_fn: EvaluateFn) -> list[MetricRecord]:
         """``evaluate_fn`` on each of the server's models (those it sends out next round), logged
         one line per model; a model the function returns None for gets an empty record."""
         records = []
-        for index, model in enumerate(self.models or []):
+        for index, model in enumerate(self.context.method.models or []):
             res = evaluate_fn(server_round, protocol.model_to_record(model))
             log(INFO, "\t└──> model %d: %s", index, metrics_text(res))
             records.append(res if res is not None else MetricRecord())
@@ -218,12 +197,13 @@ class FederatedEvaluation(Strategy):
     def train_metrics(self, updates: list[ClientUpdate]) -> MetricRecord:
         """The round's aggregated train metrics: ``train_metrics_aggr_fn`` over the accepted
         replies' metrics, or the example-weighted mean plus the count of accepted ``replies``."""
-        if self.train_metrics_aggr_fn is not None:
+        c = self.conventions
+        if c.train_metrics_aggr_fn is not None:
             if not updates:
                 return MetricRecord()
-            return self.train_metrics_aggr_fn(
-                [RecordDict({protocol.METRICS: MetricRecord(u.metrics)}) for u in updates], self.weighted_by_key)
-        metrics = protocol.weighted_metrics((u.metrics for u in updates), self.weighted_by_key) if updates else {}
+            return c.train_metrics_aggr_fn(
+                [RecordDict({protocol.METRICS: MetricRecord(u.metrics)}) for u in updates], c.weighted_by_key)
+        metrics = protocol.weighted_metrics((u.metrics for u in updates), c.weighted_by_key) if updates else {}
         metrics["replies"] = float(len(updates))
         return MetricRecord(metrics)
 

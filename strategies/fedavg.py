@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from fedmm.protocol import ClientUpdate, ModelDict
 from strategies.aggregators import Mean
-from strategies.method import Method
+from strategies.method import MEAN, Method
 from strategies.strategy_settings import StrategySettings
 
 
@@ -34,6 +34,7 @@ class FedAvg(Method):
     """
 
     Settings = FedAvgSettings
+    releases = MEAN
 
     def aggregate(self, server_round: int, updates: list[ClientUpdate], mean: Mean) -> ModelDict | None:
         """The mean of the accepted models, weighted as the run weighs them (``num-examples``)."""

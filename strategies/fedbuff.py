@@ -23,12 +23,11 @@ from typing import Any
 
 import numpy as np
 
-from fedmm.errors import ConfigError
 from fedmm.protocol import ClientUpdate, ModelDict
-from fedmm.settings import Choice, Int, Nullable, Number, setting
+from fedmm.settings import Choice, Number, setting
 from strategies.aggregators import Mean
-from strategies.asynchronous import AsyncRound, buffer_setting, check_async, half, max_staleness_setting
-from strategies.method import Method
+from strategies.asynchronous import AsyncSettings
+from strategies.method import ASYNC, Method, refused
 from strategies.strategy_settings import StrategySettings
 
 STALENESS_WEIGHTS = ("sqrt", "none")
@@ -66,26 +65,15 @@ class FedBuffSettings(StrategySettings):
 
     option = "fedbuff"
     title = "FedBuff"
-    concurrency: int | None = setting(None, Nullable(Int(min=1), "null (clients_per_round) or an integer >= 1"),
-                                      "C: clients training at the same time (null: clients_per_round)", label="C {}")
-    buffer_size: int | None = buffer_setting("accepted updates", "the concurrency")
     server_lr: float = setting(1.0, Number(gt=0), "η_g: θ ← θ + η_g·Δ̄/B", label="η_g {}")
     staleness_weight: str = setting("sqrt", Choice(*STALENESS_WEIGHTS), "sqrt: 1/sqrt(1 + τ) (the paper's) | none: 1",
                                     paper="1/sqrt(1 + staleness)", label="staleness weight {}")
-    max_staleness: int | None = max_staleness_setting("drop an update")
+    asynchronous: AsyncSettings = setting(AsyncSettings(enabled=True), help="its asynchronous driver: C clients at once "
+                                          "(concurrency), B accepted updates per aggregation (buffer_size), stale updates "
+                                          "dropped (max_staleness); docs/async.md")
 
-    updates_named = "strategy.buffer_size"
-
-    def updates_per_round(self, run: Any) -> int:
-        """B: the accepted updates of a round."""
-        return self.buffer_size or half(self.concurrency or run.clients_per_round)
-
-    def check(self, run: Any) -> None:
-        """The async rules; C at most the clients."""
-        super().check(run)
-        check_async(self, run)
-        if self.concurrency is not None and self.concurrency > run.num_clients:
-            raise ConfigError("strategy.concurrency", self.concurrency, f"at most num_clients ({run.num_clients})")
+    #: Its driver's settings were its own before every method had them: a run made then is asynchronous.
+    added = {"asynchronous": AsyncSettings(enabled=True).to_dict()}
 
 
 class FedBuff(Method):
@@ -96,14 +84,13 @@ class FedBuff(Method):
     ----------
     clients_per_round, seed, fraction_evaluate, selector, settings
         See :class:`~strategies.base.FedmmStrategy` (C defaults to ``clients_per_round``).
-    concurrency, buffer_size, server_lr, staleness_weight, max_staleness
-        C, B, η_g, s(τ) and the staleness bound (the module docstring).
+    server_lr, staleness_weight, asynchronous
+        η_g, s(τ), and C, B and the staleness bound (the module docstring).
     """
 
     Settings = FedBuffSettings
-    releases = ""
-    private_refused = "its jobs run without a round barrier: no round samples K of N clients, which the accounting assumes"
-    Driver = AsyncRound
+    drivers = (ASYNC,)
+    releases = refused("its jobs run without a round barrier: no round samples K of N clients, which the accounting assumes")
 
     def aggregate(self, server_round: int, updates: list[ClientUpdate], mean: Mean) -> ModelDict | None:
         """θ ← θ + η_g·Δ̄/B over the round's buffered updates, each against the version it was
@@ -114,11 +101,11 @@ class FedBuff(Method):
         weights = [staleness_weight(u.staleness, self.settings.staleness_weight) for u in updates]
         if mean.robust:
             scaled = [add_update(None, u.model, u.sent, w) for u, w in zip(updates, weights)]
-            step = server_step(self.models[0], mean(scaled, deltas=True), 1, self.server_lr)
+            step = server_step(self.models[0], mean(scaled, deltas=True), 1, self.settings.server_lr)
         else:
             delta = None
             for update, weight in zip(updates, weights):
                 delta = add_update(delta, update.model, update.sent, weight)
-            step = server_step(self.models[0], delta or {}, len(updates), self.server_lr)
+            step = server_step(self.models[0], delta or {}, len(updates), self.settings.server_lr)
         self.models = [step]
         return step

@@ -17,6 +17,7 @@ from typing import Any
 from fedmm.settings import Choice, Int, Number, setting
 from fedmm.protocol import ModelDict
 from strategies.aggregation import mean_models
+from strategies.method import ASYNC, SYNC
 from strategies.multimodel import MultiModel
 from strategies.selection import ClientSelector
 from strategies.strategy_settings import StrategySettings
@@ -49,6 +50,9 @@ class FedCrossSettings(StrategySettings):
     dynamic_alpha_rounds: int = setting(0, Int(min=0), "alpha rises linearly from 0.5 to `alpha` over this many rounds "
                                         "(after the propeller rounds)")
 
+    #: The asynchronous FedCross was an option of its own: FedCross with the asynchronous driver.
+    renamed = {"fedcross_async": {"asynchronous": {"enabled": True}}}
+
     def label_parts(self) -> list[str]:
         parts = super().label_parts()
         if self.propeller_rounds or self.dynamic_alpha_rounds:
@@ -79,31 +83,30 @@ class FedCross(MultiModel):
         (after the propeller rounds); 0 disables it.
     """
 
-    writable_updates = True  # cross-aggregation writes the fused values into the trained models' arrays
-
     Settings = FedCrossSettings
+    drivers = (SYNC, ASYNC)
 
-    def __init__(self, clients_per_round: int, seed: int, fraction_evaluate: float | None = None,
+    def __init__(self, clients_per_round: int | None = None, seed: int = 0, fraction_evaluate: float | None = None,
                  selector: ClientSelector | None = None, **settings: Any) -> None:
         super().__init__(clients_per_round, seed, fraction_evaluate, selector, **settings)
         self.last_alpha: float | None = None
 
     def alpha_at(self, server_round: int) -> float:
         """α of a cross-aggregation round (dynamic α, then the threshold)."""
-        start = self.first_stage_rounds + self.propeller_rounds
-        return dynamic_alpha(server_round, self.alpha, self.dynamic_alpha_rounds, start_round=start)
+        s = self.settings
+        return dynamic_alpha(server_round, s.alpha, s.dynamic_alpha_rounds, start_round=s.first_stage_rounds + s.propeller_rounds)
 
     def update_models(self, server_round: int, models: list[ModelDict], trained: list[int]) -> list[ModelDict]:
         """Stage 1 reset, propeller fusion, or cross-aggregation (see the module docstring), among
         the models given (all K; the asynchronous FedCross gives the B that came back)."""
-        k = len(models)
-        if server_round <= self.first_stage_rounds:
+        k, s = len(models), self.settings
+        if server_round <= s.first_stage_rounds:
             return [mean_models(models)] * k
-        if server_round <= self.first_stage_rounds + self.propeller_rounds:
-            self.last_alpha = self.propeller_alpha
-            return cross_aggregate(models, propellers(k, self.num_propellers), self.propeller_alpha, consume=True)
-        sim = None if self.selection == "in-order" else model_similarity(models, self.similarity)
-        partners = collaborative_models(sim, self.selection, server_round, k)
+        if server_round <= s.first_stage_rounds + s.propeller_rounds:
+            self.last_alpha = s.propeller_alpha
+            return cross_aggregate(models, propellers(k, s.num_propellers), s.propeller_alpha, consume=True)
+        sim = None if s.selection == "in-order" else model_similarity(models, s.similarity)
+        partners = collaborative_models(sim, s.selection, server_round, k)
         self.last_alpha = self.alpha_at(server_round)
         # the trained models are not needed afterwards: cross_aggregate releases them key by key
         return cross_aggregate(models, partners, self.last_alpha, consume=True)

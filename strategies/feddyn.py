@@ -33,6 +33,7 @@ from strategies.aggregation import mean_models
 from strategies.aggregators import Mean
 from strategies.extrapolation import is_buffer
 from strategies.fedavg import FedAvg
+from strategies.method import refused
 from strategies.selection import ClientSelector
 from strategies.strategy_settings import StrategySettings
 
@@ -85,11 +86,13 @@ class FedDyn(FedAvg):
 
     Settings = FedDynSettings
     global_is_next = False  # it evaluates the mean of the trained models, trains the corrected θ
-    releases = ""
-    private_refused = "its state h sums every round's client drifts into the model it sends: a second release this analysis does not cover"
+    releases = refused("its state h sums every round's client drifts into the model it sends: a second release this "
+                       "analysis does not cover")
 
-    def __init__(self, clients_per_round: int, seed: int, num_clients: int, fraction_evaluate: float | None = None,
-                 selector: ClientSelector | None = None, **settings: Any) -> None:
+    def __init__(self, clients_per_round: int | None = None, seed: int = 0, num_clients: int | None = None,
+                 fraction_evaluate: float | None = None, selector: ClientSelector | None = None, **settings: Any) -> None:
+        if num_clients is None:
+            raise TypeError("FedDyn() missing the argument num_clients (m: the clients of the federation, h's denominator)")
         super().__init__(clients_per_round, seed, fraction_evaluate, selector, num_clients=int(num_clients), **settings)
         self.h: ModelDict | None = None
 
@@ -104,7 +107,7 @@ class FedDyn(FedAvg):
             return None
         assert self.models is not None and self.h is not None
         models = [u.model for u in updates]
-        nxt, self.h, average = feddyn_server_step(self.models[0], models, self.h, self.alpha, self.num_clients,
+        nxt, self.h, average = feddyn_server_step(self.models[0], models, self.h, self.settings.alpha, self.num_clients,
                                                    mean(models) if mean.robust else None)
         self.models = [nxt]
         self.round_log["h_norm"] = float(np.sqrt(sum(float(np.square(v, dtype=np.float64).sum()) for v in self.h.values())))

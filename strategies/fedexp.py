@@ -20,6 +20,7 @@ from fedmm.settings import Bool, Number, setting
 from strategies.aggregators import Mean
 from strategies.extrapolation import average_iterates, fedexp_step
 from strategies.fedavg import FedAvg, FedAvgSettings
+from strategies.method import refused
 
 @dataclass
 class FedExPSettings(FedAvgSettings):
@@ -55,12 +56,11 @@ class FedExP(FedAvg):
 
     Settings = FedExPSettings
     global_is_next = False  # it evaluates the mean of the last two iterates
-    releases = ""
-    private_refused = "its server step size is computed from the clients' update norms, which the noise does not cover"
+    releases = refused("its server step size is computed from the clients' update norms, which the noise does not cover")
 
     def epsilon_at(self, server_round: int) -> float:
         """ε of a round."""
-        return self.epsilon * self.epsilon_decay ** (server_round - 1)
+        return self.settings.epsilon * self.settings.epsilon_decay ** (server_round - 1)
 
     def aggregate(self, server_round: int, updates: list[ClientUpdate], mean: Mean) -> ModelDict | None:
         """w^{t+1} = w^t + η_g·Δ̄ becomes the training model; the evaluated model is the mean of
@@ -72,7 +72,8 @@ class FedExP(FedAvg):
         weights = mean.weights(updates)
         epsilon = self.epsilon_at(server_round)
         models = [u.model for u in updates]
-        nxt, eta = fedexp_step(current, models, weights, epsilon, self.extrapolate_buffers, mean(models, weights), mean.robust)
+        nxt, eta = fedexp_step(current, models, weights, epsilon, self.settings.extrapolate_buffers, mean(models, weights),
+                               mean.robust)
         self.round_log.update({"eta_g": eta, "epsilon": epsilon})
         self.models = [nxt]
         return nxt if server_round == 1 else average_iterates(nxt, current)

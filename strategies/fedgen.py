@@ -47,6 +47,7 @@ from objectives import fedgen as fedgen_client
 from strategies.aggregators import Mean
 from strategies.base import Participants
 from strategies.fedavg import FedAvg, FedAvgSettings
+from strategies.method import Needs, refused
 from strategies.selection import ClientSelector
 
 @dataclass
@@ -77,7 +78,11 @@ class FedGenSettings(FedAvgSettings):
 
     @property
     def display(self) -> str:
-        return "FedGen (original)" if self.optimizer == "persistent" else self.title
+        return "FedGen (original)" if self.optimizer == "persistent" else super().display
+
+    def for_run(self, run: Any) -> FedGenSettings:
+        """FedGen's settings for a run, its generator's lr resolved for the dataset."""
+        return self.replace(ensemble_lr=resolve_ensemble_lr(self, run.dataset.name))
 
     def check(self, run: Any) -> None:
         """The generator's terms need the clients' objective ``fedgen``."""
@@ -93,14 +98,14 @@ class FedGen(FedAvg):
     clients_per_round, seed, fraction_evaluate, selector
         See :class:`~strategies.base.FedmmStrategy`.
     settings : FedGenSettings
-        With ``ensemble_lr`` resolved for the dataset (:meth:`from_settings` does it).
+        With ``ensemble_lr`` resolved for the dataset (:meth:`FedGenSettings.for_run` does it).
     """
 
     Settings = FedGenSettings
-    releases = ""
-    private_refused = "its generator is trained on each uploaded model and the clients' label counts, which are released with it"
+    releases = refused("its generator is trained on each uploaded model and the clients' label counts, which are "
+                       "released with it")
 
-    def __init__(self, clients_per_round: int, seed: int, fraction_evaluate: float | None = None,
+    def __init__(self, clients_per_round: int | None = None, seed: int = 0, fraction_evaluate: float | None = None,
                  selector: ClientSelector | None = None, **settings: Any) -> None:
         super().__init__(clients_per_round, seed, fraction_evaluate, selector, **settings)
         self.generator: Generator | None = None
@@ -141,9 +146,9 @@ class FedGen(FedAvg):
         """The generator, from round 2 on."""
         return {fedgen_client.GENERATOR: self._encoded_generator} if self._encoded_generator is not None else {}
 
-    def reply_extras(self, server_round: int) -> dict[str, protocol.ArraySpec]:
+    def needs(self, server_round: int) -> Needs:
         """Every reply carries the client's label histogram."""
-        return {fedgen_client.LABEL_COUNTS: {fedgen_client.LABEL_COUNTS: ((self.num_classes,), np.dtype(np.int64))}}
+        return Needs(arrays={fedgen_client.LABEL_COUNTS: {fedgen_client.LABEL_COUNTS: ((self.num_classes,), np.dtype(np.int64))}})
 
     def aggregate(self, server_round: int, updates: list[ClientUpdate], mean: Mean) -> ModelDict | None:
         """Train the generator on the uploaded models, then FedAvg."""
@@ -210,11 +215,6 @@ class FedGen(FedAvg):
             self.scheduler = torch.optim.lr_scheduler.ExponentialLR(self.optimizer, gamma=self.settings.lr_decay)
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
-
-    @classmethod
-    def settings_for(cls, run: Any) -> FedGenSettings:
-        """FedGen's settings for a run, its generator's lr resolved for the dataset."""
-        return run.strategy.replace(ensemble_lr=resolve_ensemble_lr(run.strategy, run.dataset.name))
 
 
 def resolve_ensemble_lr(settings: FedGenSettings, dataset: str) -> float:

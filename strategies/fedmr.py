@@ -10,12 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from fedmm.errors import ConfigError
 from fedmm.protocol import ModelDict
 from fedmm.settings import Bool, Choice, Int, MapOf, Nullable, Number, setting
 from strategies.aggregation import mean_models
+from strategies.method import ASYNC, SECURE, SYNC
 from strategies.multimodel import MultiModel
 from strategies.recombination import GRANULARITIES, recombine, segments_for_ratio
-from strategies.secure_recombination import SecureRecombination, SecureRound, SecureSettings
+from strategies.secure_recombination import SecureRecombination, SecureSettings
 from strategies.selection import ClientSelector
 from strategies.strategy_settings import StrategySettings
 
@@ -43,10 +45,31 @@ class FedMRSettings(StrategySettings):
 
     #: Declared after runs were made: the values that reproduce those runs.
     added = {"first_stage_by_model": {}, "track_models": False}
+    #: The asynchronous FedMR was an option of its own: FedMR with the asynchronous driver.
+    renamed = {"fedmr_async": {"asynchronous": {"enabled": True}}}
 
     @property
     def display(self) -> str:
-        return "Indep" if self.partition_ratio == 1.0 else self.title
+        return ("Indep" + super().display[len(self.title):]) if self.partition_ratio == 1.0 else super().display
+
+    @property
+    def driver(self) -> str:
+        """Secure recombination's phases when ``secure.enabled``, else the base's choice."""
+        return SECURE if self.secure.enabled else super().driver
+
+    def check_values(self, prefix: str) -> None:
+        """Secure recombination exchanges layers among the clients of one synchronous round."""
+        if self.secure.enabled and self.asynchronous.enabled:
+            raise ConfigError(f"{prefix}secure.enabled", True, f"false with {prefix}asynchronous.enabled=true (secure "
+                              "recombination exchanges layers among the clients of one synchronous round)")
+        super().check_values(prefix)
+
+    def for_run(self, run: Any) -> FedMRSettings:
+        """FedMR's settings for a run, its first stage resolved for the run's model (``first_stage_by_model``)."""
+        by_model = self.first_stage_by_model
+        if run.model.name in by_model:
+            return self.replace(first_stage_rounds=by_model[run.model.name])
+        return self
 
 
 class FedMR(MultiModel):
@@ -70,35 +93,22 @@ class FedMR(MultiModel):
     """
 
     Settings = FedMRSettings
+    drivers = (SYNC, ASYNC, SECURE)
 
-    def __init__(self, clients_per_round: int, seed: int, fraction_evaluate: float | None = None,
+    def __init__(self, clients_per_round: int | None = None, seed: int = 0, fraction_evaluate: float | None = None,
                  selector: ClientSelector | None = None, secure: SecureRecombination | None = None, **settings: Any) -> None:
         if secure is not None:  # a relay given as an object: its settings are the method's
             settings["secure"] = secure.settings()
         super().__init__(clients_per_round, seed, fraction_evaluate, selector, **settings)
         self.segments = segments_for_ratio(self.settings.partition_ratio)
 
-    @classmethod
-    def driver_class(cls, settings: FedMRSettings) -> Any:
-        """Secure recombination's phases when ``strategy.secure`` is on (a synchronous round:
-        refused with the asynchronous driver, :meth:`StrategySettings.check_values`)."""
-        return SecureRound if settings.secure.enabled else cls.Driver
-
-    @classmethod
-    def settings_for(cls, run: Any) -> FedMRSettings:
-        """FedMR's settings for a run, its first stage resolved for the run's model (``first_stage_by_model``)."""
-        by_model = run.strategy.first_stage_by_model
-        if run.model.name in by_model:
-            return run.strategy.replace(first_stage_rounds=by_model[run.model.name])
-        return run.strategy
-
-    def models_to_track(self) -> list[ModelDict] | None:
-        """The K models, when ``track_models`` is on."""
-        return list(self.models) if self.track_models and self.models else None
+    def models_to_evaluate(self) -> list[ModelDict] | None:
+        """The K models, each evaluated beside the global model, when ``track_models`` is on."""
+        return list(self.models) if self.settings.track_models and self.models else None
 
     def update_models(self, server_round: int, models: list[ModelDict], trained: list[int]) -> list[ModelDict]:
         """Stage 1: every model becomes the mean; stage 2: recombine."""
-        if server_round <= self.first_stage_rounds:
+        if server_round <= self.settings.first_stage_rounds:
             aggregate = mean_models(models)
             return [aggregate] * len(models)
-        return recombine(models, self.rng, self.granularity, self.segments)
+        return recombine(models, self.rng, self.settings.granularity, self.segments)

@@ -24,6 +24,7 @@ from objectives.fednova import NORMALIZER
 from strategies.aggregators import Mean
 from strategies.extrapolation import is_buffer
 from strategies.fedavg import FedAvg, FedAvgSettings
+from strategies.method import Needs, refused
 
 
 @dataclass
@@ -38,12 +39,11 @@ class FedNova(FedAvg):
     """Normalized averaging (module docstring): only :meth:`aggregate` differs from FedAvg."""
 
     Settings = FedNovaSettings
-    releases = ""
-    private_refused = "it rescales each update by τ_eff/a_i, which clipping does not bound"
+    releases = refused("it rescales each update by τ_eff/a_i, which clipping does not bound")
 
-    def reply_metrics(self) -> tuple[str, ...]:
+    def needs(self, server_round: int) -> Needs:
         """Every reply carries its client's normalizing factor."""
-        return (NORMALIZER,)
+        return Needs(metrics=(NORMALIZER,))
 
     def aggregate(self, server_round: int, updates: list[ClientUpdate], mean: Mean) -> ModelDict | None:
         if not updates:

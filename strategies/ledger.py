@@ -22,18 +22,31 @@ from flwr.app import Message
 
 from fedmm import protocol
 from fedmm.protocol import ClientUpdate
+from strategies.contract import PER_NODE
 
 if TYPE_CHECKING:
     from strategies.heterogeneity import VirtualClock
     from strategies.selection import ClientSelector
 
 
+class RunFailed(RuntimeError):
+    """The run cannot go on (e.g. no client reply was accepted for ``max_failed_rounds`` rounds)."""
+
+
 @dataclass
 class RoundOutcome:
-    """How the last round went: replies accepted, and why the others were rejected."""
+    """How the last round went: replies accepted, why the others were rejected, and why the
+    round's end failed ("" when it did not: the aggregator refused its updates, NaN/Inf)."""
 
     replies: int = 0
     rejections: list[str] = field(default_factory=list)
+    failure: str = ""
+
+    def why_failed(self, rounds: int, last: int, limit: int) -> str:
+        """The reason of a run that ``rounds`` failed rounds in a row, up to ``last``, ended."""
+        why = self.failure or (self.rejections[0] if self.rejections else "no node was selected")
+        return (f"no client reply was accepted in {rounds} consecutive rounds ({last - rounds + 1}..{last}; "
+                f"max_failed_rounds={limit}); {'the last: ' if self.failure else 'e.g. '}{why}")
 
 
 @dataclass(frozen=True)
@@ -41,8 +54,8 @@ class ReplyCheck:
     """What the train replies of one round are checked against.
 
     ``bound(node)`` is the largest ``num-examples`` a reply of ``node`` may report and where that
-    bound comes from (``(None, "")``: no bound); ``metrics``: the metrics every reply must carry,
-    each a finite number > 0 (the method's ``reply_metrics``).
+    bound comes from (``(None, "")``: no bound); ``extras``, ``metrics``: the records and metrics
+    every reply must carry, each metric a finite number > 0 (the method's ``needs``).
     """
 
     spec: protocol.ArraySpec
@@ -54,11 +67,14 @@ class ReplyCheck:
     metrics: tuple[str, ...] = ()
 
     @classmethod
-    def of(cls, strategy: Any, server_round: int) -> ReplyCheck:
-        """The check of the train replies of ``server_round`` of ``strategy`` (a
-        :class:`~strategies.method.Method` whose models exist)."""
-        assert strategy.replies.spec is not None
-        selector, cap = strategy.selector, strategy.settings.max_num_examples
+    def of(cls, context: Any, server_round: int) -> ReplyCheck:
+        """The check of the train replies of ``server_round`` of a run (its
+        :class:`~strategies.context.RunContext`, whose method's models exist). A method with a
+        model per node gets writable arrays (FedCross fuses into them), any other read-only views
+        of the replies' bytes."""
+        assert context.replies.spec is not None
+        method = context.method
+        selector, cap = context.selector, method.settings.max_num_examples
 
         def bound(node: int) -> tuple[int | None, str]:
             reported = selector.num_examples(node)
@@ -66,8 +82,9 @@ class ReplyCheck:
                 return int(reported), "the size the node reported in the roster"
             return (int(cap), "strategy.max_num_examples") if cap is not None else (None, "")
 
-        return cls(strategy.replies.spec, strategy.reply_extras(server_round), strategy.writable_updates,
-                   strategy.arrayrecord_key, strategy.weighted_by_key, bound, tuple(strategy.reply_metrics()))
+        needs = method.needs(server_round)
+        return cls(context.replies.spec, dict(needs.arrays), method.holds == PER_NODE, context.conventions.arrayrecord_key,
+                   context.conventions.weighted_by_key, bound, tuple(needs.metrics))
 
     def check(self, reply: Message, slot: int, node: int, taken: bool = False) -> tuple[ClientUpdate | None, str]:
         """(update, "") for a usable reply of ``node`` filling ``slot``, else (None, why). Its

@@ -76,21 +76,22 @@ def log_start(name: str, num_rounds: int, start_round: int, initial_arrays: Arra
     log(INFO, "\t├── ConfigRecord (evaluate): %s", config_text(evaluate_config))
 
 
-def log_summary(strategy: Any) -> None:
-    """A :class:`~strategies.base.FedmmStrategy`'s sampling, models, record keys and
-    settings (its ``summary``)."""
-    s = strategy
+def log_summary(context: Any) -> None:
+    """A run's sampling, models, record keys and settings (its strategy's ``summary``;
+    ``context``: its :class:`~strategies.context.RunContext`)."""
+    m, c = context.method, context.conventions
     log(INFO, "\t├──> Sampling:")
-    log(INFO, "\t│\t├──Nodes per round: train (%d) | evaluate (fraction %.2f)", s.clients_per_round, s.fraction_evaluate)
-    log(INFO, "\t│\t└──Selector: %s", s.selector.describe())
-    if len(s.models or []) > 1 or s.holds == "a model per node":
-        log(INFO, "\t├──> Models: %d on the server, one per selected node%s", s.clients_per_round,
-            " (each evaluated after every round)" if s.evaluate_models else "")
+    log(INFO, "\t│\t├──Nodes per round: train (%d) | evaluate (fraction %.2f)", m.clients_per_round,
+        m.settings.fraction_evaluate)
+    log(INFO, "\t│\t└──Selector: %s", context.selector.describe())
+    if len(m.models or []) > 1 or m.holds == "a model per node":
+        log(INFO, "\t├──> Models: %d on the server, one per selected node%s", m.clients_per_round,
+            " (each evaluated after every round)" if c.evaluate_models else "")
     log(INFO, "\t├──> Keys in records:")
-    log(INFO, "\t│\t├── Weighted by: '%s'", s.weighted_by_key)
-    log(INFO, "\t│\t├── ArrayRecord key: '%s'", s.arrayrecord_key)
-    log(INFO, "\t│\t└── ConfigRecord key: '%s'", s.configrecord_key)
-    log(INFO, "\t└──> Settings: %s", ", ".join(f"{k}={v}" for k, v in s.settings.to_dict().items() if k != "name"))
+    log(INFO, "\t│\t├── Weighted by: '%s'", c.weighted_by_key)
+    log(INFO, "\t│\t├── ArrayRecord key: '%s'", c.arrayrecord_key)
+    log(INFO, "\t│\t└── ConfigRecord key: '%s'", c.configrecord_key)
+    log(INFO, "\t└──> Settings: %s", ", ".join(f"{k}={v}" for k, v in m.settings.to_dict().items() if k != "name"))
 
 
 def log_round(name: str, train_metrics: MetricRecord | None, round_log: Mapping[str, float]) -> None:

@@ -27,7 +27,7 @@ import numpy as np
 from fedmm.protocol import ClientUpdate, ModelDict
 from strategies.aggregators import Mean
 from strategies.cross_aggregation import _float_keys, _gram
-from strategies.method import PER_NODE, Method
+from strategies.method import MODELS, PER_NODE, Method
 from strategies.selection import ClientSelector
 
 
@@ -72,14 +72,14 @@ class MultiModel(Method):
     """
 
     holds = PER_NODE
-    releases = "models"  # under DP: the K trained models, noised; recombination, fusion, mutation are post-processing
+    releases = MODELS  # under DP: the K trained models, noised; recombination, fusion, mutation are post-processing
 
     #: Log the pairwise cosine similarity of the trained models every round (:func:`cosine_summary`:
     #: about K²·N/2 float64 multiply-adds for N parameters; 0.2 s for K = 10 CNNs of 1.7M on two
     #: busy cores, but ~1.7·10¹¹ for K = 100 VGG-16s). False: skip it.
     log_model_cosine = True
 
-    def __init__(self, clients_per_round: int, seed: int, fraction_evaluate: float | None = None,
+    def __init__(self, clients_per_round: int | None = None, seed: int = 0, fraction_evaluate: float | None = None,
                  selector: ClientSelector | None = None, **settings: Any) -> None:
         super().__init__(clients_per_round, seed, fraction_evaluate, selector, **settings)
         self.round_mean: ModelDict | None = None  # set while update_models runs
@@ -99,28 +99,27 @@ class MultiModel(Method):
 
     # ------------------------------------------------------------------ the method's hooks
     def initialize(self, initial: ModelDict) -> None:
-        """K references to the initial model (never written in place)."""
+        """K references to the initial model (never written in place); model i goes to the i-th
+        selected node."""
         self.models = [initial] * self.clients_per_round
         self.global_model = initial
 
-    def model_for_slot(self, slot: int) -> int:
-        """Model i goes to the i-th selected node."""
-        return slot
-
-    def aggregate(self, server_round: int, updates: list[ClientUpdate], mean: Mean,
-                  members: list[int] | None = None) -> ModelDict:
+    def aggregate(self, server_round: int, updates: list[ClientUpdate], mean: Mean) -> ModelDict:
         """Put each trained model back in its slot, take the mean of the K models (the global
         model, before the method changes them), log how alike the trained models are, then apply
-        the method (:meth:`update_models`) to the models taking part: ``members`` (default: all K)."""
+        the method (:meth:`update_models`) to the models taking part: those of ``updates``, one
+        per model of the round (all K in a synchronous round; a model whose node sent no usable
+        update comes untrained, as it was sent: ``update.trained`` False)."""
         assert self.models is not None
         updated = [dict(m) for m in self.models]  # the method may empty these dicts; the pool's stay whole
         for update in updates:
             updated[update.slot] = update.model
+        trained_models = [update.model for update in updates if update.trained]
         if self.log_model_cosine:  # the models that came back trained; a failed slot's model is left out
-            self.round_log.update(cosine_summary([update.model for update in updates]))
+            self.round_log.update(cosine_summary(trained_models))
         global_model = self.round_mean = mean(updated)
-        members = list(range(self.clients_per_round)) if members is None else list(members)
-        trained = {update.slot for update in updates}
+        members = sorted(update.slot for update in updates)
+        trained = {update.slot for update in updates if update.trained}
         fused = self.update_models(server_round, [updated[i] for i in members],
                                    [position for position, i in enumerate(members) if i in trained])
         self.round_mean = None

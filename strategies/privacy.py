@@ -10,7 +10,7 @@ method can skip it:
    ``clipping_norm`` every train message then carries) and the server checks the norm instead:
    an update above C is rejected (a client without the mod cannot spend the guarantee).
 2. **Noise** every model the server releases, by what the method releases
-   (:attr:`strategies.method.Method.releases`):
+   (``releases``, which a method declares beside its aggregate: :func:`strategies.contract.release_of`):
 
    - ``"mean"`` (FedAvg, FedProx, FedRL, MOON and every one-model method whose next model is the
      mean of the round's updates): the mean of m clipped updates changes by at most 2C/m when one
@@ -21,7 +21,8 @@ method can skip it:
      model is a permutation, fusion or mutation of them: post-processing), and replacing one
      client's data moves its own model by at most 2C, so each of the K gets N(0, (z·2C)²) before
      the method sees it: no averaging dilutes one node's contribution.
-   - ``""``: refused under DP, with the method's reason (:attr:`~strategies.method.Method.private_refused`).
+   - ``refused("why")``: refused under DP, with the method's reason; a method that declares
+     nothing is refused too, naming the declaration to add.
 
 3. **Account** each round as one sampled Gaussian release with Flower's RDP accountant
    (``flwr.serverapp``'s :class:`PrivacyConfig` / :class:`GaussianPrivacyEvent` on Google's
@@ -104,9 +105,24 @@ class PrivacySettings(Settings):
 OFF = PrivacySettings().to_dict()
 
 
+#: What differential privacy refuses with any method: (the setting, why); a method's own refusal
+#: is its declaration (``releases``, :func:`strategies.contract.release_refusal`).
+REFUSED_WITH = (
+    ("`strategy.asynchronous.enabled=true`", "an asynchronous round's jobs are not a sample of K of N clients drawn "
+     "without replacement, which the accounting assumes"),
+    ("a `selection` other than `uniform`", "the accounting assumes K of N clients drawn uniformly without replacement; "
+     "this selector's draw depends on the clients' data"),
+    ("`strategy.secure.enabled=true`", "an upload is recombined from other clients' layers, so no update can be clipped "
+     "against the model its node was sent"),
+    ("any `strategy.defence` setting", "screens and robust aggregators choose updates by their values, which changes the "
+     "sensitivity the noise is calibrated to; DP's clipping already bounds each update"),
+)
+
+
 def check_privacy(strategy_settings: Any, run: Any) -> None:
-    """The rules of DP across the run's settings: what the method releases, its driver, the
-    selector, the defence settings, secure recombination, δ against N (a warning)."""
+    """The rules of DP across the run's settings: what the method releases, and
+    :data:`REFUSED_WITH` (its driver, the selector, secure recombination, the defence settings);
+    δ against N (a warning)."""
     p = strategy_settings.privacy
     if not p.enabled:
         return
@@ -114,31 +130,26 @@ def check_privacy(strategy_settings: Any, run: Any) -> None:
 
     from flwr.supercore import log
 
+    from strategies.contract import release_refusal
     from strategies.defence import DefenceSettings
 
     key, value = "strategy.privacy.clip_norm", p.clip_norm
     method = getattr(type(strategy_settings), "strategy_class", None)
     name = strategy_settings.option
-    if method is not None:
-        if getattr(getattr(method, "Driver", None), "asynchronous", False):
-            raise ConfigError(key, value, f"null with strategy={name} (an asynchronous round's jobs are not a sample "
-                              "of K of N clients drawn without replacement, which the accounting assumes)")
-        if not method.releases:
-            raise ConfigError(key, value, f"null with strategy={name} ({method.private_refused})")
-    secure = getattr(strategy_settings, "secure", None)
-    if secure is not None and secure.enabled:
-        raise ConfigError(key, value, "null with strategy.secure.enabled=true (an upload is recombined from other "
-                          "clients' layers, so no update can be clipped against the model its node was sent)")
+    asynchronous, selection, secure, defence = (why for _, why in REFUSED_WITH)
+    if strategy_settings.asynchronous.enabled:
+        raise ConfigError(key, value, f"null with strategy={name} and strategy.asynchronous.enabled=true ({asynchronous})")
+    if method is not None and release_refusal(method):
+        raise ConfigError(key, value, f"null with strategy={name} ({release_refusal(method)})")
+    if strategy_settings.driver == "secure":
+        raise ConfigError(key, value, f"null with strategy.secure.enabled=true ({secure})")
     if run.selection.name != "uniform":
-        raise ConfigError(key, value, f"null with selection={run.selection.name} (the accounting assumes K of N "
-                          "clients drawn uniformly without replacement; this selector's draw depends on the clients' data)")
+        raise ConfigError(key, value, f"null with selection={run.selection.name} ({selection})")
     defaults = DefenceSettings()
     changed = [n for n in defaults.to_dict() if getattr(strategy_settings.defence, n) != getattr(defaults, n)]
     if changed:
         raise ConfigError(f"strategy.defence.{changed[0]}", getattr(strategy_settings.defence, changed[0]),
-                          f"its default with strategy.privacy.clip_norm set (screens and robust aggregators choose "
-                          "updates by their values, which changes the sensitivity the noise is calibrated to; DP's "
-                          "clipping already bounds each update)")
+                          f"its default with strategy.privacy.clip_norm set ({defence})")
     if p.target_delta(run.num_clients) >= 1.0 / run.num_clients:
         log(WARNING, "strategy.privacy.delta=%g is at least 1/num_clients (1/%d): with that probability the "
             "guarantee allows one client's whole data to leak; choose δ well below 1/N", p.target_delta(run.num_clients),
@@ -222,19 +233,22 @@ class Privacy:
         self.rng = np.random.default_rng(self.seed)
 
     @classmethod
-    def attach(cls, strategy: Any) -> Privacy | None:
-        """The DP stage of ``strategy`` (a :class:`~strategies.base.FedmmStrategy`) when its
-        settings turn it on, else None; with secret sampling its uniform selector draws from the
-        stage's seed."""
-        settings = strategy.settings.privacy
+    def attach(cls, context: Any) -> Privacy | None:
+        """The DP stages' part of a run (its :class:`~strategies.context.RunContext`) when its
+        method's settings turn it on, else None; with secret sampling its uniform selector draws
+        from the part's seed. A method that does not declare what it releases is refused."""
+        from strategies.contract import release_of, release_refusal
+
+        method = context.method
+        settings = method.settings.privacy
         if not settings.enabled:
             return None
-        if not strategy.releases:
-            raise ValueError(f"{type(strategy).__name__} refuses differential privacy: {strategy.private_refused}")
-        if strategy.num_clients is None:
+        if release_refusal(type(method)):
+            raise ValueError(f"{type(method).__name__} refuses differential privacy: {release_refusal(type(method))}")
+        if method.num_clients is None:
             raise ValueError("differential privacy accounts the draw of K of N clients: give num_clients (N)")
-        privacy = cls(settings, strategy.num_clients, strategy.clients_per_round, strategy.releases)
-        privacy.selector = strategy.selector
+        privacy = cls(settings, method.num_clients, method.clients_per_round, str(release_of(type(method))))
+        privacy.selector = context.selector
         privacy.draw_secretly()
         return privacy
 

@@ -38,6 +38,7 @@ from strategies.aggregators import Mean
 from strategies.base import Participants
 from strategies.extrapolation import is_buffer
 from strategies.fedavg import FedAvg
+from strategies.method import Needs, refused
 from strategies.selection import ClientSelector
 from strategies.strategy_settings import StrategySettings
 
@@ -54,7 +55,12 @@ class ScaffoldSettings(StrategySettings):
 
     @property
     def display(self) -> str:
-        return "SCAFFOLD (lab)" if self.weighting == "examples" else self.title
+        return "SCAFFOLD (lab)" if self.weighting == "examples" else super().display
+
+    @property
+    def needs_sizes(self) -> bool:
+        """The ``examples`` weighting asks the nodes for their sizes in the roster query."""
+        return self.weighting == "examples" or super().needs_sizes
 
 def scaffold_step(
     x: Mapping[str, np.ndarray],
@@ -116,15 +122,18 @@ class Scaffold(FedAvg):
         η_g (1 in every reference implementation).
     weighting : str
         ``uniform`` (the paper) or ``examples`` (the authors' lab code; needs the clients' sizes
-        from the roster query, which :meth:`needs_sizes` asks for).
+        from the roster query, which its settings ask for: ``ScaffoldSettings.needs_sizes``).
     """
 
     Settings = ScaffoldSettings
-    releases = ""
-    private_refused = "its control variate c, the mean of the clients' Δc_i, is sent to every client: a second release of client data this analysis does not cover"
+    releases = refused("its control variate c, the mean of the clients' Δc_i, is sent to every client: a second "
+                       "release of client data this analysis does not cover")
 
-    def __init__(self, clients_per_round: int, seed: int, num_clients: int, fraction_evaluate: float | None = None,
+    def __init__(self, clients_per_round: int | None = None, seed: int = 0, num_clients: int | None = None,
+                 fraction_evaluate: float | None = None,
                  selector: ClientSelector | None = None, **settings: Any) -> None:
+        if num_clients is None:
+            raise TypeError("Scaffold() missing the argument num_clients (N: the denominator of the control-variate update)")
         super().__init__(clients_per_round, seed, fraction_evaluate, selector, num_clients=int(num_clients), **settings)
         self.control: ModelDict | None = None
         self._encoded_control: Any = None
@@ -141,7 +150,7 @@ class Scaffold(FedAvg):
         assert self.control is not None
         self._encoded_control = protocol.model_to_record(self.control)
         node_ids = self._slot_nodes = list(participants.ids)
-        if self.weighting == "examples":
+        if self.settings.weighting == "examples":
             sizes = participants.sizes
             missing = [n for n in node_ids if n not in sizes]
             if missing:
@@ -153,14 +162,14 @@ class Scaffold(FedAvg):
     def extra_records(self, server_round: int, slot: int) -> dict[str, Any]:
         """c (and, ``examples`` weighting, the node's data weight)."""
         records: dict[str, Any] = {scaffold_client.CONTROL: self._encoded_control}
-        if self.weighting == "examples":
+        if self.settings.weighting == "examples":
             records[scaffold_client.CONTROL_CONFIG] = ConfigRecord({scaffold_client.CONTROL_WEIGHT: self._data_weights[self._slot_nodes[slot]]})
         return records
 
-    def reply_extras(self, server_round: int) -> dict[str, protocol.ArraySpec]:
+    def needs(self, server_round: int) -> Needs:
         """Every reply carries Δc_i, shaped like c."""
         assert self.control is not None
-        return {scaffold_client.CONTROL_DELTA: protocol.array_spec(self.control)}
+        return Needs(arrays={scaffold_client.CONTROL_DELTA: protocol.array_spec(self.control)})
 
     def aggregate(self, server_round: int, updates: list[ClientUpdate], mean: Mean) -> ModelDict | None:
         """x and c as in the module docstring."""
@@ -168,10 +177,10 @@ class Scaffold(FedAvg):
             return None
         assert self.models is not None and self.control is not None
         examples = [u.num_examples for u in updates]
-        lab = self.weighting == "examples"
+        lab = self.settings.weighting == "examples"
         x, c = scaffold_step(
             self.models[0], self.control, [u.model for u in updates], [u.extras[scaffold_client.CONTROL_DELTA] for u in updates],
-            examples, self.num_clients, self.server_lr,
+            examples, self.num_clients, self.settings.server_lr,
             model_weights=examples if lab else None,
             control_weights=[self._data_weights[u.node_id] for u in updates] if lab else None,
             robust=(mean([u.model for u in updates]), mean([u.extras[scaffold_client.CONTROL_DELTA] for u in updates], deltas=True))
@@ -188,8 +197,3 @@ class Scaffold(FedAvg):
         """Restore :meth:`state_dict`."""
         super().load_state_dict(state)
         self.control = state["control"]
-
-    @classmethod
-    def needs_sizes(cls, settings: ScaffoldSettings) -> bool:
-        """The ``examples`` weighting asks the nodes for their sizes in the roster query."""
-        return settings.weighting == "examples" or super().needs_sizes(settings)

@@ -49,10 +49,11 @@ from fedmm.errors import ConfigError
 from fedmm.settings import Bool, Choice, Int, Nullable, Settings, setting
 from fedmm.layers import layer_units
 from fedmm.secure import BAD_LAYER_FROM, MAX_ATTEMPTS, MAX_REPETITIONS, MODES, RETURN, SEND, LayerCodec, exchanges_of
+from strategies.contract import model_index
 from strategies.ledger import ReplyCheck
 
-#: A method with K models (:class:`strategies.multimodel.MultiModel`; FedMR): the relay reads its state, imports none.
-MultiModel = Any
+#: The run of a method with K models (:class:`strategies.context.RunContext` of FedMR): the relay reads it, imports none.
+Context = Any
 
 @dataclass
 class SecureSettings(Settings):
@@ -181,18 +182,19 @@ class SecureRecombination:
 
     # ================================================================== the round
     def run_round(
-        self, strategy: MultiModel, server_round: int, grid: Grid, arrays: ArrayRecord, config: ConfigRecord, timeout: float
+        self, context: Context, server_round: int, grid: Grid, arrays: ArrayRecord, config: ConfigRecord, timeout: float
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         from strategies.rounds import SyncRound, begin
 
-        s = strategy
+        s, m = context, context.method
         begin(s, arrays)
-        assert s.models is not None and s.replies.spec is not None
+        assert m.models is not None and s.replies.spec is not None
         spec = s.replies.spec
-        node_ids = list(s.selector.select(grid, server_round, s.clients_per_round))
-        s.round_log.update(s.selector.round_info)
-        s.prepare_round(server_round, s.participants(node_ids))
-        granularity = s.settings.granularity  # FedMR's (the one method with secure recombination)
+        s.selector.prepare(server_round, arrays)
+        node_ids = list(s.selector.select(grid, server_round, m.clients_per_round))
+        m.round_log.update(s.selector.round_info)
+        m.prepare_round(server_round, s.participants(node_ids))
+        granularity = m.settings.granularity  # FedMR's (the one method with secure recombination)
         units = layer_units(list(spec), granularity)
         low, high = self.layer_bounds(len(units))
         settings = {
@@ -207,9 +209,8 @@ class SecureRecombination:
             LayerCodec(spec, units, self.pad), list(node_ids),
         )
         self.trace = []
-        self.dispatched = {node: s.models[s.model_for_slot(slot)] for slot, node in enumerate(node_ids)}
-        self._settings = settings
-        self._grid, self._timeout, self._strategy = grid, timeout, s
+        self.dispatched = {node: m.models[model_index(m, slot)] for slot, node in enumerate(node_ids)}
+        self._settings, self._grid, self._timeout, self._context = settings, grid, timeout, s
 
         self._keys(rnd)
         if self.mode in ("before", "both"):
@@ -219,7 +220,7 @@ class SecureRecombination:
             self._exchange(rnd, "after", closes_with_upload=True)
         else:
             self._upload(rnd, "before", rnd.last_attempt, final=True)
-        s.round_log.update(
+        m.round_log.update(
             secure_exchanged=float(rnd.exchanged),
             secure_attempts=float(rnd.attempts),
             secure_round_trips=float(rnd.round_trips),
@@ -230,7 +231,7 @@ class SecureRecombination:
 
     # ================================================================== phases
     def _message(self, rnd: _Round, action: str, node: int, secure: dict[str, Any], with_model: bool = False) -> Message:
-        return _relay_message(rnd, self._strategy.model_for_slot(rnd.slot(node)), action, node, self._settings, secure,
+        return _relay_message(rnd, model_index(self._context.method, rnd.slot(node)), action, node, self._settings, secure,
                               self.dispatched[node] if with_model else None)
 
     def _send(self, rnd: _Round, messages: list[Message], on_reply: Any = None) -> dict[int, Message]:
@@ -240,9 +241,9 @@ class SecureRecombination:
         rnd.round_trips += 1
         replies: dict[int, Message] = {}
         if on_reply is not None:
-            self._strategy.send(self._grid, messages, self._timeout, on_reply=on_reply)
+            self._context.send(self._grid, messages, self._timeout, on_reply=on_reply)
             return replies
-        for reply in self._strategy.send(self._grid, messages, self._timeout):
+        for reply in self._context.send(self._grid, messages, self._timeout):
             node = reply.metadata.src_node_id
             if reply.has_error():
                 reason = protocol.client_error(reply.error.reason)
@@ -351,7 +352,7 @@ class SecureRecombination:
     def _upload(self, rnd: _Round, exchange: str, attempt: int, final: bool) -> bool:
         """The models, through the strategy's reply checks. Not ``final``: True when a node
         failed (the accepted models are discarded: the exchange is retried)."""
-        s = self._strategy
+        s = self._context
         secure = {secure_protocol.SECURE_EXCHANGE: exchange, secure_protocol.SECURE_ATTEMPT: attempt, secure_protocol.SECURE_TRAIN: rnd.train_pending}
         messages = {node: self._message(rnd, secure_protocol.SECURE_UPLOAD, node, secure) for node in rnd.alive}
         rnd.train_pending = False
@@ -446,13 +447,10 @@ class SecureRound:
     round is the relay's phases (:meth:`SecureRecombination.run_round`), ending as every
     synchronous round does. A synchronous driver only: the asynchronous one is refused with it."""
 
-    asynchronous = False
-    needs_sizes = False
-
-    def __init__(self, strategy: MultiModel) -> None:
-        self.strategy = strategy
+    def __init__(self, context: Context) -> None:
+        self.context = context
         #: The relay (its ``trace``: what the server saw of the last round's ciphertexts).
-        self.relay = SecureRecombination.from_settings(strategy.settings.secure)
+        self.relay = SecureRecombination.from_settings(context.method.settings.secure)
 
     def configure(self, *args: Any) -> list[Message]:
         raise NotImplementedError("secure recombination's rounds have several phases: call the strategy's start() "
@@ -463,7 +461,7 @@ class SecureRound:
     def run(self, server_round: int, grid: Grid, arrays: ArrayRecord, config: ConfigRecord,
             timeout: float) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """One round: the relay's phases."""
-        return self.relay.run_round(self.strategy, server_round, grid, arrays, config, timeout)
+        return self.relay.run_round(self.context, server_round, grid, arrays, config, timeout)
 
     def start(self, num_rounds: int) -> None:
         """Nothing to prepare."""

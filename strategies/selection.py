@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from flwr.app import ArrayRecord
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
@@ -43,6 +44,10 @@ class ClientSelector(ABC):
     @abstractmethod
     def select(self, grid: Grid, server_round: int, count: int, stream: int = 0) -> list[int]:
         """``count`` distinct node ids, in the order their slots are filled."""
+
+    def prepare(self, server_round: int, arrays: ArrayRecord) -> None:
+        """Called before a round's training draw with the global model the round starts from (a
+        selector that asks the nodes about that model: Power-of-Choice). Default: nothing."""
 
     def node_key(self, node_id: int) -> str:
         """A name of the node that stays the same across runs where the selector knows one
@@ -81,6 +86,15 @@ class ClientSelector(ABC):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
+
+    def snapshot(self) -> Any:
+        """What :meth:`restore` needs to undo one round's :meth:`observe` (a rolled-back round:
+        strategies/stages.py). Default: :meth:`state_dict`."""
+        return self.state_dict()
+
+    def restore(self, saved: Any) -> None:
+        """Undo the observations since :meth:`snapshot`."""
+        self.load_state_dict(saved)
 
 
 class SeededRosterSelector(ClientSelector):

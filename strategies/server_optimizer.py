@@ -10,7 +10,8 @@ like a method.
 It acts on every floating entry of the model (BatchNorm's running statistics too, as Flower's
 strategies do); integer entries take the method's values. The arithmetic is in float64, the
 result in each entry's own dtype. A method whose evaluated model is not the model it trains next
-(FedExP, FedDyn) or that keeps several models refuses one (:attr:`strategies.method.Method.steps_one_model`).
+(FedExP, FedDyn) or that keeps several models refuses one (:func:`strategies.contract.steps_one_model`: the
+server step's stage refuses it, :class:`strategies.stages.ServerStep`).
 """
 
 from __future__ import annotations
@@ -40,14 +41,6 @@ class ServerOptimizerSettings(Settings):
     def build(self) -> ServerOptimizer | None:
         """The optimizer of these settings (None for ``none``)."""
         return None if self.optimizer_class is None else self.optimizer_class(self)
-
-    def check(self, run: Any) -> None:
-        """Only a method that steps one model may take a server optimizer."""
-        method = getattr(type(run.strategy), "strategy_class", None)
-        if self.optimizer_class is not None and method is not None and not method.steps_one_model():
-            raise ConfigError("server_optimizer", self.option, f"none with strategy={run.strategy.name} (a server optimizer "
-                              "steps the one model a method trains next; this method keeps several models or evaluates "
-                              "another model than the one it trains next)")
 
 
 class ServerOptimizer:

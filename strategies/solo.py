@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from fedmm.protocol import ClientUpdate, ModelDict
 from strategies.aggregators import Mean
 from strategies.base import Participants
-from strategies.method import PER_CLIENT, Method
+from strategies.method import PER_CLIENT, Method, refused
 from strategies.selection import ClientSelector
 from strategies.strategy_settings import StrategySettings
 
@@ -38,10 +38,9 @@ class Solo(Method):
 
     Settings = SoloSettings
     holds = PER_CLIENT
-    releases = ""
-    private_refused = "each client's model is kept and released as it trained it: no aggregation hides one client's data"
+    releases = refused("each client's model is kept and released as it trained it: no aggregation hides one client's data")
 
-    def __init__(self, clients_per_round: int, seed: int, fraction_evaluate: float | None = None,
+    def __init__(self, clients_per_round: int | None = None, seed: int = 0, fraction_evaluate: float | None = None,
                  selector: ClientSelector | None = None, **settings: Any) -> None:
         super().__init__(clients_per_round, seed, fraction_evaluate, selector, **settings)
         self.initial: ModelDict | None = None
@@ -56,14 +55,11 @@ class Solo(Method):
         self.global_model = initial
 
     def prepare_round(self, server_round: int, participants: Participants) -> None:
-        """Put each selected client's own model (the initial one the first time) in its slot."""
+        """Put each selected client's own model (the initial one the first time) in its slot:
+        slot i carries the i-th selected client's own model."""
         assert self.initial is not None
         self._slot_keys = list(participants.keys)
         self.models = [self.local_models.get(key, self.initial) for key in self._slot_keys]
-
-    def model_for_slot(self, slot: int) -> int:
-        """Slot i carries the i-th selected client's own model."""
-        return slot
 
     def aggregate(self, server_round: int, updates: list[ClientUpdate], mean: Mean) -> ModelDict | None:
         """Keep every returned model as its client's; nothing is averaged into anyone's model
@@ -75,7 +71,7 @@ class Solo(Method):
         return mean(list(self.local_models.values()))
 
     def models_to_evaluate(self) -> list[ModelDict] | None:
-        """The local models of every client trained so far."""
+        """The local models of every client trained so far (evaluated instead of the global model)."""
         return [self.local_models[key] for key in sorted(self.local_models)] or None
 
     def state_dict(self) -> dict[str, Any]:

@@ -8,9 +8,12 @@ from typing import Any, ClassVar
 from fedmm.errors import ConfigError
 from fedmm.settings import Int, Nullable, Number, Settings, paired_objectives, setting
 from strategies.aggregators import check_chain
-from strategies.defence import ONE_MODEL, DefenceSettings, refuse, refused_settings
+from strategies.asynchronous import AsyncSettings, check_async
+from strategies.contract import ASYNC, SYNC
+from strategies.defence import DefenceSettings
+from strategies.drivers import check_driver, needs_sizes
 from strategies.heterogeneity import NEUTRAL, HeterogeneitySettings
-from strategies.privacy import OFF, PrivacySettings, check_privacy
+from strategies.privacy import OFF, PrivacySettings
 
 
 @dataclass
@@ -38,39 +41,73 @@ class StrategySettings(Settings):
                                                    "deadlines on a virtual clock (docs/async.md)")
     privacy: PrivacySettings = setting(PrivacySettings(), help="central, client-level differential privacy "
                                        "(docs/privacy.md)")
+    asynchronous: AsyncSettings = setting(AsyncSettings(), help="rounds without a barrier, for a method that declares "
+                                          "the asynchronous driver (docs/async.md)")
 
     #: Declared after runs were made: the values that reproduce those runs.
     added = {"max_num_examples": None, "defence": {"clip_update_norm": None},
-             "heterogeneity": NEUTRAL, "privacy": OFF}
+             "heterogeneity": NEUTRAL, "privacy": OFF, "asynchronous": AsyncSettings().to_dict()}
+    #: The asynchronous driver's settings were a method's own before they were its (FedBuff, the
+    #: asynchronous FedMR and FedCross): a run made then carries them here.
+    retired = {key: (lambda value, key=key: {"asynchronous": {"enabled": True, key: value}})
+               for key in ("buffer_size", "max_staleness", "concurrency")}
 
     def updates_per_round(self, run: Any) -> int:
         """The updates the defence stage and the run's mean see per round when every node
-        answers (an asynchronous method's B)."""
-        return run.clients_per_round
+        answers (the asynchronous driver's B)."""
+        if not self.asynchronous.enabled:
+            return run.clients_per_round
+        return self.asynchronous.buffer(self.strategy_class.holds, run.clients_per_round)
 
-    #: How errors name where :meth:`updates_per_round` comes from.
-    updates_named: ClassVar[str] = "clients_per_round"
+    @property
+    def updates_named(self) -> str:
+        """How errors name where :meth:`updates_per_round` comes from."""
+        return "strategy.asynchronous.buffer_size" if self.asynchronous.enabled else "clients_per_round"
+
+    @property
+    def driver(self) -> str:
+        """The driver these settings choose (:mod:`strategies.drivers`): the asynchronous one with
+        ``asynchronous.enabled``, else the synchronous round (FedMR's secure recombination: its own)."""
+        return ASYNC if self.asynchronous.enabled else SYNC
+
+    @property
+    def needs_sizes(self) -> bool:
+        """Whether the roster query asks the nodes for their training-set sizes (the asynchronous
+        driver times jobs from them on the virtual clock; a method may need them too)."""
+        return needs_sizes(self)
+
+    def for_run(self, run: Any) -> StrategySettings:
+        """The settings for a run (default: as validated; a method may resolve a value for the
+        run's model or dataset, e.g. FedMR's ``first_stage_by_model``)."""
+        return self
+
+    @property
+    def display(self) -> str:
+        """The title, with "(async)" when a method that runs synchronously by default does not."""
+        default_async = type(self)().asynchronous.enabled
+        return self.title + (" (async)" if self.asynchronous.enabled and not default_async else "")
 
     def check_values(self, prefix: str) -> None:
-        """What the method holds decides the defence settings it refuses
-        (:func:`strategies.defence.refused_settings`); secure recombination needs a synchronous round."""
+        """The driver the settings choose must be one the method declares (:mod:`strategies.drivers`)."""
         method = getattr(type(self), "strategy_class", None)
-        secure = getattr(self, "secure", None)
-        secure_on = bool(secure is not None and secure.enabled)
-        if secure_on and getattr(getattr(method, "Driver", None), "asynchronous", False):
-            raise ConfigError(f"{prefix}secure.enabled", True, f"false with strategy={self.option} (secure recombination "
-                              "exchanges layers among the clients of one synchronous round)")
-        refuse(self.defence, refused_settings(getattr(method, "holds", ONE_MODEL), secure_on), self.option or type(self).__name__)
+        if method is not None:
+            check_driver(self, method, prefix)
 
     def check(self, run: Any) -> None:
         """The objectives paired with this method (their ``server``) are its clients' only ones;
-        clients evaluate on rows they never train on: fraction_evaluate > 0 needs a held-out part."""
+        each stage of the round's end refuses what it cannot do for the method
+        (:func:`strategies.stages.check_stages`); clients evaluate on rows they never train on:
+        fraction_evaluate > 0 needs a held-out part."""
+        from strategies.stages import check_stages
+
         paired = paired_objectives(self.option)
         if paired and run.objective.name not in paired:
             raise ConfigError("objective", run.objective.name, f"{' or '.join(paired)} with strategy {self.option} "
                               "(its clients run its objective: the records and state it keeps)")
+        if self.asynchronous.enabled:
+            check_async(self, run)
         check_chain(self.defence, self.updates_per_round(run), self.updates_named)
-        check_privacy(self, run)
+        check_stages(self, run)
         held_out = run.partition.local_test_fraction
         if self.fraction_evaluate > 0 and not held_out:
             raise ConfigError(

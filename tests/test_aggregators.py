@@ -129,7 +129,7 @@ def test_a_round_with_fewer_updates_than_f_allows_is_refused_not_aggregated() ->
     (["strategy.defence.aggregator=mda", "strategy.defence.f=10", "num_clients=100", "clients_per_round=100"],
      "strategy.defence.aggregator", "subsets"),
     (["strategy=fedbuff", "strategy.defence.aggregator=krum", "strategy.defence.f=3", "clients_per_round=10"],
-     "strategy.defence.f", "5 updates per aggregation (strategy.buffer_size)"),
+     "strategy.defence.f", "5 updates per aggregation (strategy.asynchronous.buffer_size)"),
 ])
 def test_bad_values_are_refused_before_the_first_round_naming_them(overrides: list[str], key: str, words: str) -> None:
     with pytest.raises(ConfigError) as err:

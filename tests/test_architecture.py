@@ -430,7 +430,8 @@ def test_the_rounds_share_one_start_one_end_and_one_reply_check() -> None:
     ``rounds.end`` (the end of a round written once), and check a train reply with the ledger's
     ``ReplyCheck``; the secure relay writes none of the strategy's state; no round module probes
     a declared field with getattr/hasattr and a literal name."""
-    loop = ["base", "rounds", "ledger", "asynchronous", "secure_recombination", "heterogeneity", "evaluation", "loop_log"]
+    loop = ["base", "context", "rounds", "stages", "drivers", "ledger", "asynchronous", "secure_recombination", "heterogeneity",
+            "evaluation", "loop_log"]
     trees = {name: ast.parse((REPO / "strategies" / f"{name}.py").read_text(encoding="utf-8")) for name in loop}
 
     def calls(tree: ast.AST, name: str) -> list[ast.Call]:
@@ -441,7 +442,7 @@ def test_the_rounds_share_one_start_one_end_and_one_reply_check() -> None:
     assert [name for name, tree in trees.items() if calls(tree, "record_to_model")] == ["rounds"]
     assert {name for name, tree in trees.items() if calls(tree, "begin")} == {"rounds", "asynchronous", "secure_recombination"}
     assert {name for name, tree in trees.items() if calls(tree, "end")} == {"rounds", "asynchronous"}  # secure ends as the synchronous round
-    assert [name for name, tree in trees.items() if calls(tree, "defend")] == ["rounds"]
+    assert [name for name, tree in trees.items() if calls(tree, "defend")] == ["stages"]
     writes = [ast.unparse(t) for n in ast.walk(trees["secure_recombination"]) if isinstance(n, (ast.Assign, ast.AugAssign))
               for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
               if isinstance(t, (ast.Attribute, ast.Subscript)) and ast.unparse(t).startswith(("s.", "strategy.", "self._strategy."))]

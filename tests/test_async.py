@@ -16,9 +16,8 @@ from flwr.app import MetricRecord, RecordDict
 
 from fedmm import protocol
 from fedmm.protocol import model_to_record, record_to_model
-from strategies.async_multimodel import FedCrossAsync, FedMRAsync
 from strategies.fedavg import FedAvg
-from strategies.fedbuff import FedBuff
+from strategies.fedbuff import FedBuff as FedBuffMethod
 from strategies.fedcross import FedCross
 from strategies.fedmr import FedMR
 from strategies.heterogeneity import HeterogeneitySettings, LocalWork, VirtualClock
@@ -53,6 +52,26 @@ def sized(sizes: dict[str, int], node_fn=trainer):
         reply["metrics"] = MetricRecord({**dict(reply["metrics"]), "num-examples": float(sizes[node_key])})
         return reply
     return node
+
+
+#: The asynchronous driver's settings (strategy.asynchronous).
+DRIVER_KEYS = ("buffer_size", "max_staleness", "concurrency")
+
+
+def on_the_async_driver(cls: type) -> type:
+    """``cls`` built with the asynchronous driver, its driver settings given as keywords (``buffer_size=2``)."""
+
+    def build(*args, **settings):  # noqa: ANN002, ANN003, ANN202
+        driver = {"enabled": True, **{k: settings.pop(k) for k in DRIVER_KEYS if k in settings}}
+        return cls(*args, asynchronous=driver, **settings)
+
+    build.__name__ = build.__qualname__ = f"{cls.__name__}Async"
+    return build
+
+
+FedBuff = on_the_async_driver(FedBuffMethod)
+FedMRAsync = on_the_async_driver(FedMR)
+FedCrossAsync = on_the_async_driver(FedCross)
 
 
 def roster(seed: int = 0) -> SeededRosterSelector:
@@ -138,8 +157,8 @@ def constant_node(msg, node_key):
 def tiered_fedavg(**changes) -> tuple[FedAvg, VirtualClock]:
     settings = HeterogeneitySettings(profile="tiers", tiers=[[0.25, 10.0]], seconds_per_batch=1.0, **changes)
     strategy = FedAvg(4, seed=0, selector=roster(), heterogeneity=settings)
-    strategy.clock.work = LocalWork(batch_size=10, local_epochs=1)
-    return strategy, strategy.clock
+    strategy.context.clock.work = LocalWork(batch_size=10, local_epochs=1)
+    return strategy, strategy.context.clock
 
 
 def test_a_synchronous_round_lasts_as_long_as_its_slowest_client() -> None:
@@ -152,7 +171,7 @@ def test_a_synchronous_round_lasts_as_long_as_its_slowest_client() -> None:
     # all 4 nodes every round: the slowest is max(batches × multiplier)
     longest = max((NODE_N[k] // 10) * clock.multiplier(k) for k in NODE_N)
     assert [r["virtual_time"] for r in rows] == [longest, 2 * longest]
-    assert longest >= 10.0 and strategy.last_round.replies == 4
+    assert longest >= 10.0 and strategy.context.last_round.replies == 4
 
 
 def test_the_deadline_rejects_the_straggler_by_name_and_the_round_goes_on() -> None:
@@ -161,9 +180,9 @@ def test_the_deadline_rejects_the_straggler_by_name_and_the_round_goes_on() -> N
     result = run(strategy, grid, 1, arrays=W0)
     slow = next(k for k in NODE_N if clock.multiplier(k) == 10.0)
     slow_node = next(n for n, k in grid.keys.items() if k == slow)
-    assert strategy.last_round.replies == 3
-    assert len(strategy.last_round.rejections) == 1
-    assert f"node {slow_node}" in strategy.last_round.rejections[0] and "straggler" in strategy.last_round.rejections[0]
+    assert strategy.context.last_round.replies == 3
+    assert len(strategy.context.last_round.rejections) == 1
+    assert f"node {slow_node}" in strategy.context.last_round.rejections[0] and "straggler" in strategy.context.last_round.rejections[0]
     assert strategy.round_log["virtual_time"] == 6.0  # the server waited until the deadline
     others = [k for k in NODE_N if k != slow]
     expected = sum((int(k[-1]) + 1) * NODE_N[k] for k in others) / sum(NODE_N[k] for k in others)
@@ -185,7 +204,7 @@ def adder(msg, node_key):
 def fedbuff(**settings) -> FedBuff:
     strategy = FedBuff(3, seed=0, selector=roster(), buffer_size=2, server_lr=0.5,
                        **heterogeneity(seconds_per_batch=0.5), **settings)
-    strategy.clock.work = LocalWork(batch_size=10, local_epochs=1)
+    strategy.context.clock.work = LocalWork(batch_size=10, local_epochs=1)
     return strategy
 
 
@@ -208,7 +227,7 @@ def test_fedbuff_step_weighs_staleness_and_applies_the_server_lr_as_by_hand() ->
     theta2 = theta1 + 0.5 * (d_b / math.sqrt(2) + d_a) / 2
     np.testing.assert_allclose(models[0], theta1, rtol=1e-6)
     np.testing.assert_allclose(models[1], theta2, rtol=1e-6)
-    assert strategy.clock.now == 3.0 and strategy.round_log["staleness_max"] == 1.0
+    assert strategy.context.clock.now == 3.0 and strategy.round_log["staleness_max"] == 1.0
 
 
 def test_fedbuff_max_staleness_drops_the_too_stale_update() -> None:
@@ -217,8 +236,8 @@ def test_fedbuff_max_staleness_drops_the_too_stale_update() -> None:
     models = run_fedbuff(strategy, 2)
     d_a = DELTAS[key(0)].astype(np.float64)
     np.testing.assert_allclose(models[1], 0.5 * d_a + 0.5 * d_a, rtol=1e-6)
-    assert any("staleness 1 exceeds max_staleness (0)" in r for r in strategy.last_round.rejections)
-    assert strategy.clock.now == 4.0
+    assert any("staleness 1 exceeds max_staleness (0)" in r for r in strategy.context.last_round.rejections)
+    assert strategy.context.clock.now == 4.0
 
 
 def test_fedbuff_never_has_more_than_c_jobs_in_flight_and_a_node_one_at_a_time() -> None:
@@ -230,14 +249,14 @@ def test_fedbuff_never_has_more_than_c_jobs_in_flight_and_a_node_one_at_a_time()
     def watched(messages):
         messages = list(messages)
         ids = push(messages)
-        nodes = [job.node for job in strategy.driver.jobs.values()]
-        seen.append(len(strategy.driver.jobs))
+        nodes = [job.node for job in strategy.context.driver.jobs.values()]
+        seen.append(len(strategy.context.driver.jobs))
         assert len(nodes) == len(set(nodes))  # no node trains two models at once
         return ids
 
     grid.push_messages = watched
     run(strategy, grid, 5)
-    assert max(seen) == 3 and strategy.driver.version == 5
+    assert max(seen) == 3 and strategy.context.driver.version == 5
     # jobs of one node with one server-round differ in round-repeat (their clients' seeds differ)
     sent = [(m.content["config"]["server-round"], m.metadata.dst_node_id, m.content["config"].get("round-repeat", 0))
             for m in grid.sent]
@@ -250,14 +269,14 @@ def test_async_multimodel_max_staleness_restarts_the_stale_model_from_the_global
     sizes = {key(0): SIZES[key(0)], key(1): SIZES[key(1)]}
     strategy = FedMRAsync(2, seed=0, selector=roster(), buffer_size=1, max_staleness=0,
                           **heterogeneity(seconds_per_batch=0.5))
-    strategy.clock.work = LocalWork(batch_size=10, local_epochs=1)
+    strategy.context.clock.work = LocalWork(batch_size=10, local_epochs=1)
     grid = FakeGrid(sized(sizes, adder), num_nodes=2, examples=sizes)
     globals_, rejections = [], []
     strategy.start(grid, model_to_record({"w": np.zeros(2, np.float32)}), num_rounds=3, timeout=5.0, final_report=False,
-                   round_end=lambda r, a, res: (globals_.append(record_to_model(a)), rejections.append(strategy.last_round.rejections)))
-    fast = next(job.model_index for job in strategy.driver.jobs.values() if job.key == key(0))  # out on A for a third time
+                   round_end=lambda r, a, res: (globals_.append(record_to_model(a)), rejections.append(strategy.context.last_round.rejections)))
+    fast = next(job.model_index for job in strategy.context.driver.jobs.values() if job.key == key(0))  # out on A for a third time
     stale = 1 - fast
-    assert strategy.clock.now == 2.5 and rejections[2] and "restarts from the global model" in rejections[2][0]
+    assert strategy.context.clock.now == 2.5 and rejections[2] and "restarts from the global model" in rejections[2][0]
     same_models([strategy.models[stale]], [globals_[1]])  # the global model of round 2, not B's training
     # a global model is the mean of the K models: A's (2·dA at round 2) and the one still out (0)
     np.testing.assert_array_equal(globals_[1]["w"], DELTAS[key(0)])
@@ -286,7 +305,7 @@ def test_with_b_equal_k_the_async_method_is_the_synchronous_one(method: str, spe
         globals_, times = [], []
         result = run(strategy, FakeGrid(sized({key(i): 40 + 10 * i for i in range(8)}, node), num_nodes=8,
                                         examples={key(i): 40 + 10 * i for i in range(8)}), 3,
-                     round_end=lambda r, a, res: (globals_.append(record_to_model(a)), times.append(strategy.clock.now)))
+                     round_end=lambda r, a, res: (globals_.append(record_to_model(a)), times.append(strategy.context.clock.now)))
         assert result is not None
         return strategy, globals_, times
 
@@ -296,7 +315,7 @@ def test_with_b_equal_k_the_async_method_is_the_synchronous_one(method: str, spe
     same_models(async_globals, sync_globals)
     assert async_times == sync_times and sync_times[0] > 0
     assert any(not np.array_equal(asyn.models[0][k], asyn.models[1][k]) for k in asyn.models[0])  # not trivially equal
-    assert "injected failure" in " ".join(asyn.last_round.rejections + sync.last_round.rejections)
+    assert "injected failure" in " ".join(asyn.context.last_round.rejections + sync.context.last_round.rejections)
 
 
 # ============================================================================ faults, order, resume
@@ -318,14 +337,14 @@ def test_a_dropped_client_neither_stalls_nor_loses_a_model() -> None:
     grid.push_messages = watched
     started = time.monotonic()
     failures: list[str] = []
-    run(strategy, grid, 6, timeout=0.2, round_end=lambda r, a, res: failures.extend(strategy.last_round.rejections))
-    assert time.monotonic() - started < 10 and strategy.driver.version == 6
+    run(strategy, grid, 6, timeout=0.2, round_end=lambda r, a, res: failures.extend(strategy.context.last_round.rejections))
+    assert time.monotonic() - started < 10 and strategy.context.driver.version == 6
     assert sent_to_dropped and any("no reply within 0.2s" in f for f in failures)
     index, model = sent_to_dropped[0]
     # the dropped job's model came back unchanged: it is the one the next job of that index got
     later = [m for m in grid.sent if m.content["config"]["model-index"] == index and grid.keys[m.metadata.dst_node_id] != dropped]
     assert later  # it went out again
-    assert sorted(strategy.driver.policy.ready + [j.model_index for j in strategy.driver.jobs.values()]) == [0, 1, 2, 3]  # no model lost
+    assert sorted(strategy.context.driver.policy.ready + [j.model_index for j in strategy.context.driver.jobs.values()]) == [0, 1, 2, 3]  # no model lost
 
 
 def test_fedbuff_whose_clients_all_fail_stops_after_max_failed_rounds() -> None:
@@ -365,7 +384,7 @@ def test_the_virtual_clock_orders_jobs_whatever_order_replies_arrive_in(cls) -> 
     a = go(FakeGrid(sized(sizes), num_nodes=6, seed=1, examples=sizes))
     b = go(LateGrid(sized(sizes), num_nodes=6, seed=2, examples=sizes, late=[key(0), key(3)]))
     same_models(a.models, b.models)
-    assert a.clock.now == b.clock.now
+    assert a.context.clock.now == b.context.clock.now
 
 
 @pytest.mark.parametrize(("nodes", "b"), [(10, 2), (7, 3)])
@@ -388,42 +407,47 @@ def test_a_resumed_run_equals_an_uninterrupted_one(tmp_path: Path, cls, nodes: i
 
     whole, first = make(), FakeGrid(sized(sizes), num_nodes=nodes, seed=1, examples=sizes)
     stopped_at = []
-    run(whole, first, 6, round_end=lambda r, a, res: (save_checkpoint(tmp_path, {"strategy": whole.state_dict()}),
+    run(whole, first, 6, round_end=lambda r, a, res: (save_checkpoint(tmp_path, {"strategy": whole.context.state_dict()}),
                                                        stopped_at.append(len(first.sent))) if r == 2 else None)
     saved = load_checkpoint(tmp_path)["strategy"]
     assert saved["async"]["jobs"]  # there were jobs in flight to send again
     resumed, second = make(), FakeGrid(sized(sizes), num_nodes=nodes, seed=7, examples=sizes)
-    resumed.load_state_dict(saved)
+    resumed.context.load_state_dict(saved)
     run(resumed, second, 6, start_round=3)
     # the jobs in flight went out again as they were, then the same jobs as in the run that never stopped
     assert messages(first, first.sent[stopped_at[0]:]) <= messages(second, second.sent) <= messages(first, first.sent)
     same_models(resumed.models, whole.models)
     same_models([resumed.global_model], [whole.global_model])
-    assert resumed.clock.now == whole.clock.now and resumed.driver.version == whole.driver.version == 6
+    assert resumed.context.clock.now == whole.context.clock.now and resumed.context.driver.version == whole.context.driver.version == 6
 
 
 def test_a_resumed_synchronous_run_goes_on_with_its_virtual_time() -> None:
     times = {}
     whole, _ = tiered_fedavg()
     run(whole, FakeGrid(constant_node, num_nodes=4, examples=NODE_N), 3, arrays=W0,
-        round_end=lambda r, a, res: times.update({r: whole.clock.now, f"state{r}": whole.state_dict()}))
+        round_end=lambda r, a, res: times.update({r: whole.context.clock.now, f"state{r}": whole.context.state_dict()}))
     resumed, _ = tiered_fedavg()
-    resumed.load_state_dict(times["state1"])
+    resumed.context.load_state_dict(times["state1"])
     run(resumed, FakeGrid(constant_node, num_nodes=4, examples=NODE_N), 3, arrays=W0, start_round=2)
-    assert resumed.clock.now == times[3] == 3 * times[1] > 0
+    assert resumed.context.clock.now == times[3] == 3 * times[1] > 0
 
 
 # ============================================================================ settings
 @pytest.mark.parametrize(
     ("overrides", "key_", "allowed"),
     [
-        (["strategy=fedmr_async", "strategy.buffer_size=11"], "strategy.buffer_size", "at most 10"),
+        (["strategy=fedmr_async", "strategy.asynchronous.buffer_size=11"], "strategy.asynchronous.buffer_size", "at most 10"),
+        (["strategy=fedmr", "strategy.asynchronous.buffer_size=3"], "strategy.asynchronous.buffer_size", "enabled is false"),
+        (["strategy=fedmut", "strategy.asynchronous.enabled=true"], "strategy.asynchronous.enabled", "false with strategy=fedmut"),
+        (["strategy=fedbuff", "strategy.asynchronous.enabled=false"], "strategy.asynchronous.enabled", "true with strategy=fedbuff"),
+        (["strategy=fedcross_async", "strategy.asynchronous.concurrency=3"], "strategy.asynchronous.concurrency", "K models in flight"),
         (["strategy=fedbuff", "strategy.heterogeneity.work=measured"], "strategy.heterogeneity.work", "modelled"),
         (["strategy=fedbuff", "selection=clustered"], "selection", "uniform"),
         (["strategy=fedavg", "strategy.heterogeneity.clock=real", "strategy.heterogeneity.profile=tiers"],
          "strategy.heterogeneity.profile", "clock=real"),
         (["strategy=fedavg", "strategy.heterogeneity.tiers=[[0.8,10],[0.5,2]]"], "strategy.heterogeneity.tiers", "summing"),
-        (["strategy=fedcross_async", "strategy.max_staleness=-1"], "strategy.max_staleness", "null (no bound)"),
+        (["strategy=fedcross_async", "strategy.asynchronous.max_staleness=-1"], "strategy.asynchronous.max_staleness",
+         "null (no bound)"),
         (["strategy=fedmr_async", "strategy.secure.enabled=true"], "strategy.secure.enabled", "false"),
     ],
 )
@@ -492,9 +516,9 @@ def test_fedmm_runs_fedbuff_and_the_async_multimodel_methods_in_a_simulation(tmp
 
     tier = ["strategy.heterogeneity.profile=tiers", "strategy.heterogeneity.tiers=[[0.25,10.0]]"]
     runs = {
-        "fedbuff": ["strategy=fedbuff", "strategy.buffer_size=2", *tier],
-        "fedmr_async": ["strategy=fedmr_async", "strategy.buffer_size=2", *tier],
-        "fedcross_async": ["strategy=fedcross_async", "strategy.buffer_size=2"],
+        "fedbuff": ["strategy=fedbuff", "strategy.asynchronous.buffer_size=2", *tier],
+        "fedmr_async": ["strategy=fedmr_async", "strategy.asynchronous.buffer_size=2", *tier],
+        "fedcross_async": ["strategy=fedcross_async", "strategy.asynchronous.buffer_size=2"],
         "fedavg": ["strategy=fedavg", *tier, "strategy.heterogeneity.deadline=1000"],
     }
     cfgs = [to_container(compose([*extra, "num_rounds=2", "num_clients=4", "clients_per_round=3",

@@ -56,8 +56,8 @@ def test_the_default_defence_rejects_and_refills_for_the_methods_whose_models_pe
     for strategy in ("fedavg", "fedexp", "scaffold", "fedmut"):
         assert faults.default_defence(strategy) == faults.DEFENCE
     # every method it names accepts the settings it adds
-    for option in faults.PER_MODEL_METHODS:
-        assert compose([f"strategy={option}", *faults.default_defence(option)]).strategy.option == option
+    for option in faults.PER_MODEL_METHODS:  # (the asynchronous presets are their method on another driver)
+        assert compose([f"strategy={option}", *faults.default_defence(option)]).strategy.option == option.split("_")[0]
 
 
 def test_the_seeds_table_pairs_each_attack_with_the_clean_run_of_its_own_seed(tmp_path: Path) -> None:

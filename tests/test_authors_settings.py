@@ -78,9 +78,9 @@ def test_partition_file_errors_name_the_problem(tmp_path: Path, body: dict, wron
 def test_fedmr_paper_sets_the_first_stage_by_model() -> None:
     from strategies import build_strategy
 
-    assert build_strategy(compose(["strategy=fedmr_paper", "model=resnet20-preact", "dataset=cifar10"])).first_stage_rounds == 100
-    assert build_strategy(compose(["strategy=fedmr_paper", "model=cnn"])).first_stage_rounds == 0
-    assert build_strategy(compose(["strategy=fedmr", "model=resnet20-preact", "dataset=cifar10"])).first_stage_rounds == 0
+    assert build_strategy(compose(["strategy=fedmr_paper", "model=resnet20-preact", "dataset=cifar10"])).settings.first_stage_rounds == 100
+    assert build_strategy(compose(["strategy=fedmr_paper", "model=cnn"])).settings.first_stage_rounds == 0
+    assert build_strategy(compose(["strategy=fedmr", "model=resnet20-preact", "dataset=cifar10"])).settings.first_stage_rounds == 0
 
 
 def test_an_objective_carries_its_original_clients_training() -> None:
@@ -103,7 +103,7 @@ def test_indep_tracks_each_models_accuracy() -> None:
     from strategies import build_strategy
 
     strategy = build_strategy(compose(["strategy=indep", "clients_per_round=3"]))
-    assert strategy.models_to_track() is None  # before the models exist
+    assert strategy.models_to_evaluate() is None  # before the models exist
     strategy.models = [{"w": np.zeros(1)}, {"w": np.ones(1)}, {"w": np.ones(1)}]
-    assert len(strategy.models_to_track()) == 3
-    assert build_strategy(compose(["strategy=fedmr"])).track_models is False
+    assert len(strategy.models_to_evaluate()) == 3
+    assert build_strategy(compose(["strategy=fedmr"])).settings.track_models is False

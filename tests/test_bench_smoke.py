@@ -56,7 +56,7 @@ def test_the_scale_bench_counts_what_the_strategy_holds_also_while_it_aggregates
 
     class Strategy:
         models, global_model = pool, pool[0]  # the global model shares the pool's bytes
-        replies = SimpleNamespace(accepted_updates=lambda: [])  # the reply ledger: nothing accepted yet
+        context = SimpleNamespace(replies=SimpleNamespace(accepted_updates=lambda: []))  # the reply ledger: nothing accepted yet
 
         def aggregate(self, server_round, updates):
             seen_in_aggregate.append(holdings.app_bytes())

@@ -50,7 +50,7 @@ def test_strategy_state_round_trips_through_a_checkpoint(tmp_path: Path) -> None
     model = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "n": np.array(2, dtype=np.int64)}
     strategy.initialize(model)
     strategy.rng.random(5)  # move the method's RNG
-    save_checkpoint(tmp_path, {"round": 7, "strategy": strategy.state_dict()})
+    save_checkpoint(tmp_path, {"round": 7, "strategy": strategy.context.state_dict()})
     other = FedMR(clients_per_round=3, seed=4)
     other.load_state_dict(load_checkpoint(tmp_path)["strategy"])
     assert other.models[0] is other.models[2]  # shared references stay shared

@@ -123,7 +123,7 @@ def run_rounds(strategy, grid, rounds, arrays=None):
         sent = record_to_model(msgs[0].content["arrays"]) if msgs else None
         keys = [grid.keys[m.metadata.dst_node_id] for m in msgs]
         arrays, _ = strategy.aggregate_train(rnd, grid.send_and_receive(msgs))
-        out.append((keys, sent, record_to_model(arrays), dict(strategy.selector._draws)))
+        out.append((keys, sent, record_to_model(arrays), dict(strategy.context.selector._draws)))
     return out
 
 
@@ -187,7 +187,7 @@ def test_same_seed_same_draws_and_models_and_resume_continues_them() -> None:
         part = run_rounds(c, grid, [1, 2])
         grid2, d = fresh(mode)
         grid2.keys = {node + 1: key for node, key in grid.keys.items()}  # the nodes of a new run
-        d.load_state_dict(c.state_dict())
+        d.context.load_state_dict(c.context.state_dict())
         rest = run_rounds(d, grid2, [3, 4], arrays=model_to_record(part[-1][2]))
         assert [r[0] for r in rest] == [r[0] for r in first[2:]]
         assert all(np.array_equal(x[2]["a.weight"], y[2]["a.weight"]) for x, y in zip(rest, first[2:]))
@@ -235,8 +235,8 @@ def test_config_presets_and_errors() -> None:
     port = to_container(compose(["strategy=clusamp_fedmr_repo"]))["selection"]
     assert (port["mode"], port["distance"]) == ("fedmr_port", "L1")
     strategy = build_strategy(cfg)
-    assert isinstance(strategy.selector, ClusteredSelector)
-    assert protocol.ROSTER_EXAMPLES in strategy.selector.query_config
+    assert isinstance(strategy.context.selector, ClusteredSelector)
+    assert protocol.ROSTER_EXAMPLES in strategy.context.selector.query_config
     assert to_container(compose([]))["selection"] == {"name": "uniform"}
     with pytest.raises(ConfigError, match="selection.*fedmr"):
         compose(["strategy=fedmr", "selection=clustered"])

@@ -142,7 +142,7 @@ HYDRA_CASES = [
     ["num_rounds=2", "strategy=fedmr", "strategy.first_stage_rounds=1"],
     ["strategy=fedcross", "training.lr=0.05", "training.local_epochs=1", "seed=3", "output_dir='/tmp/a b'"],
     ["dataset=shakespeare", "model=char_lstm", "partition=natural", "dataset.seq_len=20"],
-    ["strategy=fedcross_async", "strategy.heterogeneity.clock=real", "strategy.buffer_size=1"],
+    ["strategy=fedcross_async", "strategy.heterogeneity.clock=real", "strategy.asynchronous.buffer_size=1"],
     ["+experiment=fedcross_shakespeare", "strategy=fedcross", "num_rounds=1"],
     ["partition.alpha=0.1", "partition=dirichlet", "clients_per_round=${num_clients}"],
     ["strategy=scaffold", "strategy.defence.screen=0.0", "strategy.defence.sign_screen=0.5"],

@@ -465,7 +465,7 @@ def test_async_fedcross_runs_on_real_supernodes_on_the_real_clock(deployment: De
     for strategy in ("fedcross_async",):
         out = deployment.root / strategy
         config = RUN_CONFIG.format(k=2, out=out).replace(
-            "overrides='", "overrides='strategy.heterogeneity.clock=real strategy.buffer_size=1 ")
+            "overrides='", "overrides='strategy.heterogeneity.clock=real strategy.asynchronous.buffer_size=1 ")
         stream, run_id = deployment.run_app(strategy, config + f" strategy='{strategy}'", timeout=600)
         assert deployment.run_status(run_id) == "finished:completed", stream[-4000:]
         rows = read_metrics(out)

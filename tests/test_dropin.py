@@ -106,7 +106,7 @@ def test_fedmr_and_fedcross_run_against_a_plain_flower_clientapp(quickstart_runs
             assert any(not torch.equal(sent[2][i][k], initial[k]) for k in initial)
             for j in range(i + 1, K):
                 assert any(not torch.equal(sent[2][i][k], sent[2][j][k]) for k in initial), (name, i, j)
-        assert strategy.last_round.replies == K
+        assert strategy.context.last_round.replies == K
         assert len(strategy.pool()) == K
         final = result.arrays.to_torch_state_dict()
         assert all(torch.isfinite(v).all() for v in final.values())
@@ -184,13 +184,13 @@ def test_flowers_record_keys_and_aggregation_functions_are_settable() -> None:
     strategy = FedCross(clients_per_round=2, seed=0, alpha=0.5, weighted_by_key="n", arrayrecord_key="weights",
                         configrecord_key="cfg", train_metrics_aggr_fn=aggregate)
     result = strategy.start(grid=grid, initial_arrays=protocol.model_to_record(initial), num_rounds=1, final_report=False)
-    assert strategy.last_round.replies == 2 and seen == [(2, "n")]
+    assert strategy.context.last_round.replies == 2 and seen == [(2, "n")]
     assert result.train_metrics_clientapp[1]["largest_n"] in (11.0, 12.0)
     assert all("weights" in m.content and "cfg" in m.content for m in grid.sent)
     # the default key would reject these replies: no 'num-examples' in them
     plain = FedCross(clients_per_round=2, seed=0, alpha=0.5, arrayrecord_key="weights", configrecord_key="cfg")
     plain.start(grid=FakeGrid(keyed_client, num_nodes=3), initial_arrays=protocol.model_to_record(initial), num_rounds=1,
                 final_report=False)
-    assert plain.last_round.replies == 0 and all("no num-examples" in r for r in plain.last_round.rejections)
+    assert plain.context.last_round.replies == 0 and all("no num-examples" in r for r in plain.context.last_round.rejections)
     with pytest.raises(ValueError, match="weighted_by_key"):
         FedMR(clients_per_round=2, seed=0, weighted_by_key="")

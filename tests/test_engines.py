@@ -37,9 +37,9 @@ RUNS = {
     "fedcross": ["strategy=fedcross"],
     "scaffold": ["strategy=scaffold"],
     "secure": ["strategy=fedmr", "strategy.secure.enabled=true", "clients_per_round=3"],
-    "fedbuff": ["strategy=fedbuff", "strategy.buffer_size=2", "strategy.heterogeneity.profile=tiers",
+    "fedbuff": ["strategy=fedbuff", "strategy.asynchronous.buffer_size=2", "strategy.heterogeneity.profile=tiers",
                 "strategy.heterogeneity.tiers=[[0.25,10.0]]"],
-    "fedmr_async": ["strategy=fedmr_async", "strategy.buffer_size=2", "strategy.heterogeneity.profile=tiers",
+    "fedmr_async": ["strategy=fedmr_async", "strategy.asynchronous.buffer_size=2", "strategy.heterogeneity.profile=tiers",
                     "strategy.heterogeneity.tiers=[[0.25,10.0]]"],
     "scale": ["strategy=fedavg", "clients_per_round=4", "strategy.defence.clip_update_norm=1.0"],  # bench/faults.py's hostile node
 }

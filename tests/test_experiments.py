@@ -371,7 +371,7 @@ def run_first_round(cfg: dict[str, Any], data: dict[str, Path], num_clients: int
                             evaluate_config=config)
     assert not errors
     sent_train = [m for m in grid.sent if m.metadata.message_type == MessageType.TRAIN]  # (a tuning preset evaluates too)
-    assert strategy.last_round.replies == len(sent_train) > 0  # every client sent a model (CluSamp: once even if drawn twice)
+    assert strategy.context.last_round.replies == len(sent_train) > 0  # every client sent a model (CluSamp: once even if drawn twice)
     trained = strategy.models_to_evaluate() or [protocol.record_to_model(result.arrays)]
     for model in trained:
         assert set(model) == set(initial) and all(np.isfinite(v).all() for v in model.values())

@@ -242,11 +242,12 @@ def test_an_evaluate_error_reply_for_a_lost_node_blames_the_node_the_message_wen
 
 
 def test_every_default_of_a_method_is_what_the_base_declares() -> None:
-    """A method that declares only its settings and aggregate gets: one model, model 0 for every
-    slot, nothing sent or expected besides the model, the synchronous driver, its model stepped by
-    a server optimizer when one is given, a mean release under DP, frozen arrays after a round."""
-    from strategies.defence import ONE_MODEL
-    from strategies.method import Method
+    """A method that declares only its aggregate gets: one model, model 0 for every slot, nothing
+    sent or needed besides the model, the synchronous driver, its model stepped by a server
+    optimizer when one is given, read-only updates, and no differential privacy (it did not say
+    what it releases); the run's state is its context's, not the method's."""
+    from strategies.contract import ONE_MODEL, SYNC, model_index, release_of, release_refusal, steps_one_model
+    from strategies.method import Method, Needs
     from strategies.rounds import SyncRound
 
     class Minimal(Method):
@@ -255,10 +256,12 @@ def test_every_default_of_a_method_is_what_the_base_declares() -> None:
             return self.models[0]
 
     m = Minimal(3, seed=0)
-    assert (m.holds, m.Driver, m.global_is_next, m.releases, m.private_refused) == (ONE_MODEL, SyncRound, True, "mean", "")
-    assert Minimal.steps_one_model() and not m.writable_updates
+    assert (m.holds, m.drivers, m.global_is_next, release_of(Minimal)) == (ONE_MODEL, (SYNC,), True, None)
+    assert "Minimal defines aggregate without declaring what it releases" in release_refusal(Minimal)
+    assert steps_one_model(Minimal) and isinstance(m.context.driver, SyncRound)
     m.initialize({"w": np.zeros(2, np.float32)})
-    assert m.models[0] is m.global_model and [m.model_for_slot(i) for i in range(3)] == [0, 0, 0]
-    assert m.extra_records(1, 0) == {} and m.reply_extras(1) == {} and m.reply_metrics() == ()
-    assert m.prepare_round(1, None) is None and m.optimizer is None and m.privacy is None
-    assert set(m.state_dict()) >= {"models", "global_model", "rng", "selector", "accepted_rounds", "clock"}
+    assert m.models[0] is m.global_model and [model_index(m, i) for i in range(3)] == [0, 0, 0]
+    assert m.extra_records(1, 0) == {} and m.needs(1) == Needs() and m.models_to_evaluate() is None
+    assert m.prepare_round(1, None) is None and m.context.optimizer is None and m.context.privacy is None
+    assert set(m.state_dict()) == {"models", "global_model", "rng"}
+    assert set(m.context.state_dict()) >= {"models", "global_model", "rng", "selector", "accepted_rounds", "clock"}

@@ -118,7 +118,7 @@ def test_h_survives_a_checkpoint() -> None:
     strategy = FedDyn(clients_per_round=2, seed=3, num_clients=n)
     arrays = run(strategy, FakeGrid(node_objective(states), num_nodes=n, seed=0), [1, 2], initial)
     again = FedDyn(clients_per_round=2, seed=3, num_clients=n)
-    again.load_state_dict(strategy.state_dict())
+    again.context.load_state_dict(strategy.context.state_dict())
     for key in strategy.h:
         np.testing.assert_array_equal(again.h[key], strategy.h[key])
     states_a, states_b = {k: RecordDict(dict(v)) for k, v in states.items()}, {k: RecordDict(dict(v)) for k, v in states.items()}
@@ -132,7 +132,7 @@ def test_config_selects_both_halves_and_refuses_either_alone() -> None:
     run_settings = compose(["strategy=feddyn", "strategy.alpha=0.1"])
     assert run_settings.objective.name == "feddyn" and run_settings.strategy.alpha == 0.1
     strategy = build_strategy(run_settings)
-    assert isinstance(strategy, FedDyn) and strategy.num_clients == run_settings.num_clients and strategy.alpha == 0.1
+    assert isinstance(strategy, FedDyn) and strategy.num_clients == run_settings.num_clients and strategy.settings.alpha == 0.1
     with pytest.raises(ConfigError, match="objective"):
         compose(["strategy=feddyn", "objective=ce"])
     with pytest.raises(ConfigError, match="strategy=feddyn"):

@@ -99,10 +99,10 @@ def test_server_trains_the_generator_and_its_loss_goes_down() -> None:
     assert strategy.extra_records(1, 0) == {}
     strategy.prepare_round(2, [])
     assert fedgen_client.GENERATOR in strategy.extra_records(2, 0)
-    assert strategy.reply_extras(2) == {fedgen_client.LABEL_COUNTS: {fedgen_client.LABEL_COUNTS: ((10,), np.dtype(np.int64))}}
+    assert dict(strategy.needs(2).arrays) == {fedgen_client.LABEL_COUNTS: {fedgen_client.LABEL_COUNTS: ((10,), np.dtype(np.int64))}}
     # checkpoint round trip
     again = build_strategy(cfg)
-    again.load_state_dict(strategy.state_dict())
+    again.load_state_dict(strategy.context.state_dict())
     assert all(torch.equal(again.generator.state_dict()[k], v) for k, v in strategy.generator.state_dict().items())
 
 
@@ -160,7 +160,7 @@ def test_a_saved_state_is_not_changed_by_the_next_rounds_steps() -> None:
     strategy.initialize(initial)
     counts = np.array([[50, 0, 3, 0, 0, 0, 0, 0, 0, 0], [0, 40, 2, 0, 0, 0, 0, 0, 0, 9]])
     strategy.train_generator(1, [initial, initial], counts)
-    saved = strategy.state_dict()
+    saved = strategy.context.state_dict()
     moments = {k: v["exp_avg"].clone() for k, v in saved["optimizer"]["state"].items()}
     strategy.train_generator(2, [initial, initial], counts)
     assert all(torch.equal(saved["optimizer"]["state"][k]["exp_avg"], m) for k, m in moments.items())

@@ -118,7 +118,7 @@ def test_epsilon_is_dp_accountings_own_for_a_hand_case() -> None:
     accountant = rdp.RdpAccountant(neighboring_relation=privacy_accountant.NeighboringRelation.REPLACE_ONE)
     accountant.compose(dp_event.SampledWithoutReplacementDpEvent(10, 5, dp_event.GaussianDpEvent(1.1)), 3)
     assert s.round_log["epsilon"] == pytest.approx(accountant.get_epsilon(0.001), rel=1e-12)
-    assert s.privacy.summary()["rounds_accounted"] == 3 and rows == [1, 2, 3]
+    assert s.context.privacy.summary()["rounds_accounted"] == 3 and rows == [1, 2, 3]
     public = run_rounds(["num_clients=10", "clients_per_round=5", "strategy.privacy.clip_norm=1.0",
                          "strategy.privacy.noise_multiplier=1.1", "strategy.privacy.delta=0.001",
                          "strategy.privacy.sampling=public"], returning(), rounds=3)
@@ -131,17 +131,17 @@ def test_the_run_ends_before_the_round_that_would_exceed_max_epsilon() -> None:
     two = run_rounds(base, returning(), rounds=2).round_log["epsilon"]
     three = run_rounds(base, returning(), rounds=3).round_log["epsilon"]
     s = run_rounds([*base, f"strategy.privacy.max_epsilon={(two + three) / 2}"], returning(), rounds=5)
-    assert s.privacy.accountant.num_releases == 2 and "round 3 would take ε above max_epsilon" in s.privacy.stopped
+    assert s.context.privacy.accountant.num_releases == 2 and "round 3 would take ε above max_epsilon" in s.context.privacy.stopped
 
 
 def test_a_secret_draw_is_not_the_runs_seed_and_a_resumed_run_draws_the_same() -> None:
     base = ["num_clients=10", "clients_per_round=3", "strategy.privacy.clip_norm=1.0"]
     a, b = build_strategy(compose(base)), build_strategy(compose(base))
-    assert a.selector.seed != b.selector.seed != 0  # the operating system's entropy
-    b.load_state_dict({**a.state_dict(), "models": [ZERO], "global_model": ZERO})
-    assert b.selector.seed == a.selector.seed and b.privacy.seed == a.privacy.seed
+    assert a.context.selector.seed != b.context.selector.seed != 0  # the operating system's entropy
+    b.context.load_state_dict({**a.context.state_dict(), "models": [ZERO], "global_model": ZERO})
+    assert b.context.selector.seed == a.context.selector.seed and b.context.privacy.seed == a.context.privacy.seed
     public = build_strategy(compose([*base, "strategy.privacy.sampling=public"]))
-    assert public.selector.seed == 0  # the run's seed
+    assert public.context.selector.seed == 0  # the run's seed
 
 
 @pytest.mark.parametrize(("overrides", "key", "words"), [

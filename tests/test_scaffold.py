@@ -121,7 +121,7 @@ def effective_controls(nodes: Nodes, grid: FakeGrid, strategy: ScaffoldServer) -
             out.append(None)
             continue
         pending = f"{STATE_PENDING}/{scaffold_client.CONTROL_STATE}"
-        if STATE_PENDING in state and int(state[STATE_PENDING]["round"]) <= strategy.replies.accepted_rounds.get(node_id, 0):
+        if STATE_PENDING in state and int(state[STATE_PENDING]["round"]) <= strategy.context.replies.accepted_rounds.get(node_id, 0):
             out.append(record_to_model(state[pending]))
         elif scaffold_client.CONTROL_STATE in state:
             out.append(record_to_model(state[scaffold_client.CONTROL_STATE]))
@@ -150,7 +150,7 @@ def test_a_rejected_reply_leaves_the_nodes_c_i_as_the_server_counts_it() -> None
     for rnd in (1, 2, 3):
         run(strategy, grid, [rnd])
         if rnd == 1:
-            assert strategy.last_round.replies == 2
+            assert strategy.context.last_round.replies == 2
         controls = [ci for ci in effective_controls(nodes, grid, strategy) if ci is not None]
         for key, value in strategy.control.items():
             mean = sum(ci[key].astype(np.float64) for ci in controls) / n

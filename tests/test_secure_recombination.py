@@ -86,7 +86,7 @@ def run_secure_round(mode: str, num_nodes: int = 5, seed: int = 1, fail=None, **
     strategy.models = [{k: (v + rng.normal(size=v.shape).astype(v.dtype) if v.dtype.kind == "f" else v) for k, v in base.items()} for _ in range(num_nodes)]
     strategy.global_model = base
     config = ConfigRecord({protocol.RUN_CONFIG: json.dumps(RUN_CONFIG)})
-    strategy.driver.run(1, grid, protocol.model_to_record(base), config, timeout=10)
+    strategy.context.driver.run(1, grid, protocol.model_to_record(base), config, timeout=10)
     return strategy, grid, nodes
 
 
@@ -210,7 +210,7 @@ def test_round_keeps_every_trained_layer_in_exactly_one_upload(mode: str, monkey
     monkeypatch.setattr("fedmm.secure.secrets.randbits", random.Random(3).getrandbits)
     strategy, grid, nodes = run_secure_round(mode)
     uploads = strategy._test_uploads
-    assert len(uploads) == 5 and strategy.last_round.replies == 5
+    assert len(uploads) == 5 and strategy.context.last_round.replies == 5
     keys_by_node = grid.keys
     uploaded = {keys_by_node[node]: model for node, model in uploads.items()}
     if mode in ("after", "both"):
@@ -234,8 +234,8 @@ def test_round_keeps_every_trained_layer_in_exactly_one_upload(mode: str, monkey
 
 
 def secure_dispatched(strategy: FedMR) -> dict[int, dict[str, np.ndarray]]:
-    assert strategy.secure is not None
-    return strategy.driver.relay.dispatched
+    assert strategy.settings.secure.enabled
+    return strategy.context.driver.relay.dispatched
 
 
 def test_server_never_sees_a_plaintext_layer() -> None:
@@ -280,10 +280,10 @@ def test_failure_rolls_back_and_loses_nothing(action: str, how: str) -> None:
     assert multiset(uploads.values()) == multiset(survivors.values())
     assert strategy.round_log["secure_dropped"] == 1.0
     assert strategy.round_log["secure_attempts"] == 2.0 and strategy.round_log["secure_exchanged"] == 1.0
-    assert any("dropped from secure recombination" in r for r in strategy.last_round.rejections)
+    assert any("dropped from secure recombination" in r for r in strategy.context.last_round.rejections)
     # the victim's slot keeps the model it was dispatched (plain FedMR's rule for a failed node)
     victim_node = next(n for n, k in grid.keys.items() if k == victim)
-    assert victim_node in strategy.driver.relay.dispatched
+    assert victim_node in strategy.context.driver.relay.dispatched
 
 
 def test_exchange_gives_up_after_max_attempts_and_uploads_the_snapshots() -> None:
@@ -317,7 +317,7 @@ def test_tampered_and_replayed_ciphertexts_are_rejected_with_a_reason(monkeypatc
 
     monkeypatch.setattr(server.SecureRecombination, "_route", tampering_route)
     strategy, grid, nodes = run_secure_round("after", num_nodes=4)
-    assert any("failed authentication" in reason and "tampered" in reason for reason in strategy.last_round.rejections)
+    assert any("failed authentication" in reason and "tampered" in reason for reason in strategy.context.last_round.rejections)
     uploads = {grid.keys[n]: m for n, m in strategy._test_uploads.items()}
     # the receiver and the sender it names were dropped (the relay cannot tell which one lies),
     # the retry completed without them
@@ -339,7 +339,7 @@ def test_tampered_and_replayed_ciphertexts_are_rejected_with_a_reason(monkeypatc
 
     monkeypatch.setattr(server.SecureRecombination, "_route", replaying_route)
     strategy, grid, nodes = run_secure_round("after", num_nodes=4)
-    assert any("failed authentication" in reason for reason in strategy.last_round.rejections)
+    assert any("failed authentication" in reason for reason in strategy.context.last_round.rejections)
     assert strategy.round_log["secure_dropped"] >= 1.0
     uploads = {grid.keys[n]: m for n, m in strategy._test_uploads.items()}
     dropped = {k for k in nodes.trained if k not in uploads}
@@ -408,9 +408,9 @@ def test_linkage_attack_on_real_rounds() -> None:
         codec = LayerCodec(protocol.array_spec(initial_model()), units, pad=False)
         sizes = [codec.wire_bytes(j) for j in range(len(units))]
         truth = linkage.true_trainers(uploads, trained, units)
-        guess = linkage.attribute(mode, uploads, strategy.driver.relay.dispatched, strategy.driver.relay.trace, units, sizes)
+        guess = linkage.attribute(mode, uploads, strategy.context.driver.relay.dispatched, strategy.context.driver.relay.trace, units, sizes)
         assert set(truth) <= set(guess) and len(truth) == 4 * (len(units) - 1)  # the counter is alike everywhere
-        for matrix in linkage.routing_matrices(strategy.driver.relay.trace, mode, sorted(strategy.driver.relay.dispatched), sizes):
+        for matrix in linkage.routing_matrices(strategy.context.driver.relay.trace, mode, sorted(strategy.context.driver.relay.dispatched), sizes):
             np.testing.assert_allclose(matrix.sum(axis=1), 1.0)
         if mode == "before":
             assert all(guess[key] == truth[key] for key in truth)
@@ -420,7 +420,7 @@ def test_linkage_attack_on_real_rounds() -> None:
 
 def test_padding_hides_sizes_and_no_reply_tells_them() -> None:
     strategy, grid, nodes = run_secure_round("after", num_nodes=4, pad=True, max_layers=6)
-    assert len({relay.nbytes for relay in strategy.driver.relay.trace}) == 1  # every ciphertext one size
+    assert len({relay.nbytes for relay in strategy.context.driver.relay.trace}) == 1  # every ciphertext one size
     uploads = {grid.keys[n]: m for n, m in strategy._test_uploads.items()}
     assert multiset(uploads.values()) == multiset(nodes.trained.values())
     # no reply carries what the padding hides (a node's count of padding bytes would give the
@@ -429,4 +429,4 @@ def test_padding_hides_sizes_and_no_reply_tells_them() -> None:
         for record in reply.content.metric_records.values():
             assert not any("padding" in key for key in record), dict(record)
     plain, _, _ = run_secure_round("after", num_nodes=4, pad=False, max_layers=6)
-    assert len({relay.nbytes for relay in plain.driver.relay.trace}) > 1  # sizes name the layers
+    assert len({relay.nbytes for relay in plain.context.driver.relay.trace}) > 1  # sizes name the layers

@@ -112,8 +112,8 @@ def test_the_optimizers_moments_survive_a_checkpoint() -> None:
         arrays, _ = whole.aggregate_train(server_round, grid.send_and_receive(
             list(whole.configure_train(server_round, arrays, ConfigRecord({}), grid))))
     resumed = FedAvg(4, 0, server_optimizer=FedAdam())
-    resumed.load_state_dict(whole.state_dict())
-    assert resumed.optimizer.m is not None and resumed.optimizer.m is whole.optimizer.m
+    resumed.context.load_state_dict(whole.context.state_dict())
+    assert resumed.context.optimizer.m is not None and resumed.context.optimizer.m is whole.context.optimizer.m
     results = []
     for strategy in (whole, resumed):
         grid3 = FakeGrid(node, num_nodes=4)
@@ -135,7 +135,7 @@ def test_who_takes_a_server_optimizer_is_derived_from_what_a_method_holds() -> N
         assert err.value.key == "server_optimizer" and f"strategy={strategy.split('_')[0]}" in str(err.value)
     with pytest.raises(ValueError, match="takes no server optimizer"):
         FedMR(4, 0, server_optimizer=FedAdam())
-    assert isinstance(Scaffold(4, 0, 10, server_optimizer=FedAvgM()).optimizer, FedAvgM)
+    assert isinstance(Scaffold(4, 0, 10, server_optimizer=FedAvgM()).context.optimizer, FedAvgM)
 
 
 # ============================================================================ FedNova
@@ -206,5 +206,5 @@ def test_a_reply_without_the_normalizer_is_rejected_when_it_arrives() -> None:
     grid = FakeGrid(plain, num_nodes=4)
     arrays = protocol.model_to_record(INITIAL)
     strategy.aggregate_train(1, grid.send_and_receive(list(strategy.configure_train(1, arrays, ConfigRecord({}), grid))))
-    assert strategy.last_round.replies == 3
-    assert any(f"metric {NORMALIZER} is None" in reason for reason in strategy.last_round.rejections)
+    assert strategy.context.last_round.replies == 3
+    assert any(f"metric {NORMALIZER} is None" in reason for reason in strategy.context.last_round.rejections)

@@ -36,7 +36,7 @@ def test_state_round_trip_keeps_every_clients_model() -> None:
     strategy = Solo(clients_per_round=2, seed=0)
     msgs = list(strategy.configure_train(1, initial(), ConfigRecord({"x": 1}), grid))
     strategy.aggregate_train(1, grid.send_and_receive(msgs))
-    state = strategy.state_dict()
+    state = strategy.context.state_dict()
     again = Solo(clients_per_round=2, seed=0)
     again.load_state_dict(state)
     assert sorted(again.local_models) == sorted(strategy.local_models) and len(again.local_models) == 2
@@ -58,9 +58,9 @@ def test_a_resumed_solo_run_continues_every_clients_own_model(tmp_path) -> None:
     expected = record_to_model(rounds(straight, FakeGrid(trainer, num_nodes=4, seed=1), (1, 2, 3), initial()))
     first = Solo(clients_per_round=2, seed=0)
     arrays = rounds(first, FakeGrid(trainer, num_nodes=4, seed=1), (1, 2), initial())
-    save_checkpoint(tmp_path, {"round": 2, "strategy": first.state_dict()})
+    save_checkpoint(tmp_path, {"round": 2, "strategy": first.context.state_dict()})
     resumed = Solo(clients_per_round=2, seed=0)
-    resumed.load_state_dict(load_checkpoint(tmp_path)["strategy"])
+    resumed.context.load_state_dict(load_checkpoint(tmp_path)["strategy"])
     got = record_to_model(rounds(resumed, FakeGrid(trainer, num_nodes=4, seed=1), (3,), arrays))
     for key, value in expected.items():
         np.testing.assert_array_equal(got[key], value)

@@ -157,29 +157,50 @@ def test_the_client_builds_the_servers_architecture_with_its_options(leaf: dict[
     client.load_state_dict(server, strict=True)
 
 
+def discovered_runs() -> dict[str, list[str]]:
+    """A run of every option the app finds by discovery, each as it is selected: every method
+    (with the objective its clients need), every other client objective under FedAvg, every
+    client selector under FedAvg; 2 rounds for those whose round 2 differs in kind (a method
+    that sends or needs more than the model, an objective that keeps state or reads its round's
+    start), 1 for the others."""
+    from fedmm.config import options
+    from objectives.base import LocalUpdate
+    from strategies.method import Method
+
+    def kind(cls: type, base: type, hooks: tuple[str, ...]) -> bool:
+        return any(getattr(cls, hook) is not getattr(base, hook) for hook in hooks)
+
+    runs = {}
+    for option, settings in options("strategy").items():
+        rounds = 2 if kind(settings.strategy_class, Method, ("extra_records", "needs", "prepare_round")) else 1
+        runs[option] = [f"strategy={option}", f"num_rounds={rounds}"]
+    for option, settings in options("objective").items():
+        if not settings.server and option != "ce":
+            rounds = 2 if kind(settings.objective_class, LocalUpdate, ("begin", "end", "metrics")) else 1
+            runs[f"objective={option}"] = [f"objective={option}", f"num_rounds={rounds}"]
+    for option in options("selection"):
+        if option != "uniform":
+            runs[f"selection={option}"] = [f"selection={option}", "num_rounds=2"]
+    return runs
+
+
 def test_every_strategy_runs_on_both_text_tasks(tmp_path: Path) -> None:
-    """All methods x {Shakespeare, Sent140}, 3 clients (one per user, 10 samples each), one
-    simulation: 2 rounds for the methods whose round 2 differs in kind (client state kept by
-    SCAFFOLD and MOON, FedGen's generator sent down), 1 round (train, aggregate, evaluate) for
-    the others."""
+    """Every option found by discovery (:func:`discovered_runs`) x {Shakespeare, Sent140}, 3
+    clients (one per user, 10 samples each), one simulation: each trains, aggregates and evaluates."""
     from fedmm.local_engine import run_local_simulation
 
     from client_app.client_app import app as client_app
-    from fedmm.config import options
     from tests.sim_apps import recording_server_app
 
     small = {"shakespeare": write_leaf(tmp_path / "leaf-shakespeare", shakespeare_users(3, 10)),
              "sent140": write_leaf(tmp_path / "leaf-sent140", sent140_users(3, 10))}
-    presets = ["fedavg", "fedprox", "fedrl", "fedmr", "fedcross", "fedmut", "fedexp", "solo", "clusamp", "scaffold",
-               "moon", "fedgen", "fedasam", "feddyn", "fednova", "fedbuff", "fedmr_async", "fedcross_async"]
-    assert {compose([f"strategy={p}"])["strategy"]["name"] for p in presets} == set(options("strategy"))
+    runs = discovered_runs()
     cfgs = []
-    rounds = {preset: 2 if preset in ("scaffold", "moon", "fedgen", "feddyn") else 1 for preset in presets}
     for task in ("shakespeare", "sent140"):
-        for preset in presets:
-            extra = ["strategy.granularity=layer"] if preset == "fedmr" else []
-            cfgs.append(text_cfg(task, small[task], f"strategy={preset}", f"num_rounds={rounds[preset]}", "training.local_epochs=1",
-                                 "strategy.fraction_evaluate=0", f"output_dir={tmp_path / task / preset}", *extra))
+        for name, overrides in runs.items():
+            extra = ["strategy.granularity=layer"] if name == "fedmr" else []
+            cfgs.append(text_cfg(task, small[task], *overrides, "training.local_epochs=1", "strategy.fraction_evaluate=0",
+                                 f"output_dir={tmp_path / task / name.replace('=', '-')}", *extra))
     log: list = []
     out: dict = {}
     run_local_simulation(server_app=recording_server_app(cfgs, log, out), client_app=client_app, num_supernodes=3)

@@ -58,15 +58,29 @@ TRAINING = TrainingSettings().replace(local_epochs=2, batch_size=16, lr=0.05, mo
                                       lr_round_decay=0.99, clip_grad_norm=2.0)
 VGG_TRAINING = TRAINING.replace(local_epochs=1, batch_size=4)
 
-#: The run of each objective (its settings and strategy), with terms large enough to matter.
-OBJECTIVES = {
-    "ce": (),
-    "fedprox": ("objective=fedprox", "objective.mu=0.5"),
-    "fedrl": ("objective=fedrl", "objective.mu=1.0"),
-    "scaffold": ("strategy=scaffold", "objective.momentum=0.3", "objective.clip_norm=1.0"),
-    "feddyn": ("strategy=feddyn",),
-}
+def vectorizable_objectives() -> list[str]:
+    """Every objective found by discovery whose clients can train as one computation (derived
+    from what it defines: ``LocalUpdate.vectorizable``): a new one is compared with no list edited."""
+    from fedmm.settings import discover
+
+    return sorted(name for name, settings in discover("objective").items() if not settings.objective_class.vectorizable())
+
+
+OBJECTIVES = vectorizable_objectives()
+#: Settings that make some objectives' own terms larger than their defaults (the comparison runs
+#: every objective of :data:`OBJECTIVES`; these only make it stricter where a default term is small).
+LARGER_TERMS = {"fedprox": ("objective.mu=0.5",), "fedrl": ("objective.mu=1.0",),
+                "scaffold": ("objective.momentum=0.3", "objective.clip_norm=1.0")}
 ROUND = 3
+
+
+def run_of(objective: str) -> tuple[str, ...]:
+    """The overrides of a run with ``objective``: the method it pairs with (its declaration's
+    ``server``), and any larger terms."""
+    from fedmm.settings import discover
+
+    server = discover("objective")[objective].server
+    return (f"objective={objective}", *((f"strategy={server}",) if server else ()), *LARGER_TERMS.get(objective, ()))
 
 
 def in_float64(model_name: str, device: torch.device) -> bool:
@@ -121,22 +135,23 @@ def node_records(objective: str, model: torch.nn.Module, client: int) -> tuple[d
     return content, state
 
 
-def objectives_for(objective: str, model_name: str, states, records: list[tuple[dict, dict]], device: torch.device = CPU) -> list:
-    """Each client's objective, begun on its received model (as the ClientApp begins it), with
-    its records (``node_records``; records are only read, so both paths share them)."""
+def objectives_for(objective: str, model_name: str, states, records: list[tuple[dict, dict]], datas: list[TensorData],
+                   device: torch.device = CPU) -> list:
+    """Each client's objective, started on its received model and its rows (as the training loops
+    start it), with its records (``node_records``; records are only read, so both paths share them)."""
     from flwr.app import RecordDict
 
-    run = composed(*OBJECTIVES[objective])
+    run = composed(*run_of(objective))
     held = make_model(model_name, device)
     updates = []
-    for start, (content, kept) in zip(states, records):
+    for start, (content, kept), data in zip(states, records, datas):
         held.load_state_dict(start)
         state = RecordDict()
         update = build_local_update(run, state, RecordDict(dict(content)))
         update.own_state()  # the node's state belongs to this run
         for key, record in kept.items():
             state[key] = record
-        update.begin(held, ROUND)
+        update.start(held, data, ROUND)
         updates.append(update)
     return updates
 
@@ -162,14 +177,14 @@ def assert_pair(model_name: str, objective: str, training: TrainingSettings = TR
     records = [node_records(objective, model, client) for client in range(len(sizes))]
     # the sequential loop, one client after another (the ClientApp's path)
     want = []
-    for update, state, data, seed in zip(objectives_for(objective, model_name, states, records, device), states, datas, seeds):
+    for update, state, data, seed in zip(objectives_for(objective, model_name, states, records, datas, device), states, datas, seeds):
         client = make_model(model_name, device)
         client.load_state_dict(state)
         torch.manual_seed(seed)  # dropout draws from the global generator (and CUDA's)
         loss, _ = train_epochs(client, data, update, training, ROUND, torch.Generator().manual_seed(seed), device)
         want.append(({n: v.detach().clone() for n, v in client.state_dict().items()}, loss, reply_records(update, client)))
     # all clients as one computation
-    updates = objectives_for(objective, model_name, states, records, device)
+    updates = objectives_for(objective, model_name, states, records, datas, device)
     vector_seeds = vector_seeds or seeds
     got, _ = train_stacked(model, states, datas, training, ROUND, [torch.Generator().manual_seed(s) for s in vector_seeds],
                            device, updates, dropout_seeds=vector_seeds)
@@ -240,7 +255,7 @@ def test_a_state_that_does_not_fit_the_model_is_refused() -> None:
 def test_an_objective_with_its_own_step_is_refused() -> None:
     model = build_model("lenet", MNIST)
     update = build_local_update(composed("objective=asam"))
-    with pytest.raises(ValueError, match="clients of one vectorized objective"):
+    with pytest.raises(ValueError, match="clients of one vectorizable objective"):
         train_stacked(model, [model.state_dict()], [client_data(8, 0, (1, 28, 28))], TRAINING, 1, [torch.Generator()], CPU, [update])
 
 

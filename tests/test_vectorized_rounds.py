@@ -155,7 +155,7 @@ def test_asynchronous_fedmr_on_the_virtual_clock_trains_its_queued_jobs_together
     """The asynchronous loop keeps K jobs in flight and pushes one after each reply: the queued
     jobs (each of its own round of the model it trains) train together by round, the rest alone;
     the virtual clock decides what is aggregated, so the numbers are those of one at a time."""
-    settings = ("strategy=fedmr_async", "strategy.buffer_size=2", "strategy.heterogeneity.profile=tiers",
+    settings = ("strategy=fedmr_async", "strategy.asynchronous.buffer_size=2", "strategy.heterogeneity.profile=tiers",
                 "strategy.heterogeneity.tiers=[[0.25,10.0]]", "num_rounds=3")
     one_at_a_time = run(tmp_path, "off", *settings, "simulation.vectorize=off")
     together = run(tmp_path, "on", *settings, ON)
