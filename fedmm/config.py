@@ -699,11 +699,8 @@ def resume_config(run_dir: str | os.PathLike, changes: Mapping[str, Any] | Seque
     """
     import yaml
 
-    path = Path(os.path.expanduser(str(run_dir))).resolve()
-    config_file = path / "config.yaml"
-    if not config_file.is_file():
-        raise ConfigError("resume", str(run_dir), "the directory of a fedmm run (it holds config.yaml and checkpoint.pt)")
-    cfg = yaml.safe_load(config_file.read_text(encoding="utf-8"))
+    path = resume_dir(run_dir)
+    cfg = yaml.safe_load((path / "config.yaml").read_text(encoding="utf-8"))
     if isinstance(cfg, dict):  # a group or run-level key added after runs were made: what those runs used
         for key, default in {**_GROUPS_ADDED, **RunSettings.all_added()}.items():
             cfg.setdefault(key, copy.deepcopy(default))
@@ -726,6 +723,14 @@ def resume_config(run_dir: str | os.PathLike, changes: Mapping[str, Any] | Seque
     cfg["resume"] = str(path)
     cfg["output_dir"] = str(path)
     return validate(cfg)
+
+
+def resume_dir(run_dir: str | os.PathLike) -> Path:
+    """The absolute directory of the run ``resume`` names; a ConfigError when it holds no run."""
+    path = Path(os.path.expanduser(str(run_dir))).resolve()
+    if not (path / "config.yaml").is_file():
+        raise ConfigError("resume", str(run_dir), "the directory of a fedmm run (it holds config.yaml and checkpoint.pt)")
+    return path
 
 
 #: Config groups added after runs were made (a run written before used these options).

@@ -279,3 +279,50 @@ def test_the_first_checkpoint_after_a_fallback_replaces_the_unreadable_one(tmp_p
     assert read_checkpoint(tmp_path / PREVIOUS_CHECKPOINT_FILE)["round"] == 1
     checkpoints.on_round_end(3)  # and from then on, two generations again
     assert read_checkpoint(tmp_path / PREVIOUS_CHECKPOINT_FILE)["round"] == 2
+
+
+def test_a_resume_falls_back_from_a_truncated_checkpoint_loses_nothing_and_writes_into_its_run(tmp_path: Path) -> None:
+    """``fedmm resume=<run>`` whose newest checkpoint a disk fault truncated: it warns naming the
+    file, continues from the previous generation and ends with the metrics of the run it resumes,
+    to the last digit; its log goes on in the run's own cli.log, and no folder appears under
+    outputs/. A refused resume (a change it does not allow, a folder that holds no run) also
+    writes nothing outside the run, and leaves the run's summary.json as it was."""
+    import subprocess
+    import sys
+
+    fedmm = [str(Path(sys.executable).parent / "fedmm")]
+    env = dict(os.environ, FLWR_TELEMETRY_ENABLED="0")
+    run = tmp_path / "outputs" / "run"
+
+    def fedmm_in(args: list[str]) -> subprocess.CompletedProcess:
+        return subprocess.run([*fedmm, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+
+    first = fedmm_in(["num_rounds=3", "num_clients=4", "clients_per_round=2", "model=lenet", "training.local_steps=5",
+                      "checkpoint_every=1", f"hydra.run.dir={run}"])
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    recorded = [{k: v for k, v in row.items() if k != "seconds"} for row in read_metrics(run)]
+    hydra_record = (run / ".hydra" / "overrides.yaml").read_text()
+    log_lines = (run / "cli.log").read_text().count("\n")
+    newest = run / CHECKPOINT_FILE
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 3])
+
+    resumed = fedmm_in(["resume=outputs/run"])
+    output = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, output[-3000:]
+    assert "checkpoint.pt is truncated" in output and "resuming from the previous checkpoint" in output
+    assert "resuming at round 3/3" in output
+    assert [{k: v for k, v in row.items() if k != "seconds"} for row in read_metrics(run)] == recorded  # nothing lost
+    assert json.loads((run / "summary.json").read_text())["status"] == "completed"
+    assert [p.name for p in (tmp_path / "outputs").iterdir()] == ["run"]  # no stray hydra folder
+    log = (run / "cli.log").read_text()
+    assert log.count("\n") > log_lines and "checkpoint.pt is truncated" in log and "resuming at round 3/3" in log
+    assert (run / ".hydra" / "overrides.yaml").read_text() == hydra_record  # the run's own record kept
+
+    summary = (run / "summary.json").read_text()
+    refused = fedmm_in(["resume=outputs/run", "training.lr=0.5"])
+    assert refused.returncode == 1 and "no change when resuming" in refused.stderr, refused.stdout + refused.stderr
+    assert "no change when resuming" in (run / "cli.log").read_text()  # the refusal in the run's log
+    assert (run / "summary.json").read_text() == summary
+    missing = fedmm_in(["resume=outputs/missing"])
+    assert missing.returncode == 1 and "the directory of a fedmm run" in missing.stderr
+    assert [p.name for p in (tmp_path / "outputs").iterdir()] == ["run"]
