@@ -10,6 +10,8 @@ ClientApp of this app with ``simulation.num_supernodes`` virtual SuperNodes on t
 time, no Ray; :mod:`fedmm.local_engine`) or ``ray`` (Flower's simulation engine, on a local Ray or
 on the running Ray cluster that ``simulation.ray_address`` names); results go to the hydra job
 directory (or, with ``resume``, to the run being continued: its log too, :func:`command_line`).
+Unknown options and keys are named, with the nearest valid one, before hydra composes
+(:func:`check_names`).
 
 This module is the composition root: the only place that imports both apps. Nothing imports it.
 """
@@ -584,15 +586,68 @@ def note_in_job_log(message: str) -> None:
             handler.handle(record)
 
 
+def check_names(overrides: list[str]) -> None:
+    """Before hydra composes (it would print its whole list of a group's options, one per line,
+    or "not in struct" and the ``+`` form): every option and key ``overrides`` name exists, else
+    a ConfigError naming the nearest one (:func:`fedmm.config.unknown_option`,
+    :func:`fedmm.config.unknown_key`). Each value of a sweep is checked, and a key is known when
+    the config of any option its group sweeps holds it. A key no valid one is near is left to
+    hydra (e.g. a new key of a mapping, with ``+``)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import Glob
+    from hydra.errors import HydraException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides=list(overrides))
+    except HydraException:
+        return  # hydra says what is wrong with the syntax
+    groups = set(config_mod.GROUPS) | {p.name for p in config_mod.CONF_DIR.iterdir() if p.is_dir() and p.name != "hydra"}
+    selecting: list[tuple[str, str, list[str]]] = []  # (prefix, group, options)
+    keys = []
+    for override in parsed:
+        key = override.key_or_group
+        if key.split(".")[0].split("/")[0] == "hydra" or override.is_delete() or override.package is not None:
+            continue
+        if key in groups:
+            if isinstance(override.value(), Glob):
+                continue
+            options = list(override.sweep_string_iterator()) if override.is_sweep_override() else \
+                [override.get_value_element_as_str()]
+            for option in options:
+                error = config_mod.unknown_option(key, option)
+                if error is not None:
+                    raise error
+            selecting.append(("++" if override.is_force_add() else "+" if override.is_add() else "", key, options))
+        else:
+            keys.append((key, override.get_value_string() if override.is_sweep_override() else override.value()))
+    top = {f.name for f in config_mod.RunSettings.settings_fields()}
+    if all(key in top for key, _ in keys):
+        return  # no composition needed
+    first = [f"{prefix}{group}={options[0]}" for prefix, group, options in selecting]
+    variants = [first] + [[*first[:i], f"{prefix}{group}={option}", *first[i + 1:]]
+                          for i, (prefix, group, options) in enumerate(selecting) for option in options[1:]]
+    try:
+        configs = [config_mod.compose(variant, validate_config=False) for variant in variants]
+    except ConfigError:
+        return  # hydra, or the job's validation, says what is wrong
+    for key, value in keys:
+        if not any(config_mod.has_key(cfg, key) for cfg in configs):
+            error = config_mod.unknown_key(configs[0], key, value)
+            if error is not None:
+                raise error
+
+
 def command_line(argv: list[str]) -> list[str]:
-    """``fedmm``'s arguments, for a single run that resumes a run (``resume=<run dir>``),
-    completed so that hydra's job folder is that run: the job's log (``cli.log``) goes on in the
-    run it continues, with no ``.hydra`` folder written over the run's own, and no new folder
-    under ``outputs/`` (unless the command line sets ``hydra.run.dir``). A ``resume`` that names
-    no run is refused here, before hydra makes a folder for the job."""
+    """``fedmm``'s arguments, checked before hydra sees them (:func:`check_names`), and, for a
+    single run that resumes a run (``resume=<run dir>``), completed so that hydra's job folder is
+    that run: the job's log (``cli.log``) goes on in the run it continues, with no ``.hydra``
+    folder written over the run's own, and no new folder under ``outputs/`` (unless the command
+    line sets ``hydra.run.dir``). A ``resume`` that names no run is refused here, before hydra
+    makes a folder for the job."""
     from hydra._internal.utils import get_args_parser
 
     args, _ = get_args_parser().parse_known_args(argv)
+    check_names(args.overrides)
     if args.multirun or args.help or args.hydra_help or args.cfg or args.info or args.shell_completion:
         return argv
     resume = None

@@ -258,7 +258,7 @@ def run_search(argv: Sequence[str] | None = None) -> Any:
     import optuna
 
     from fedmm.config import compose, to_container
-    from launch.cli import JobFailed, run_job
+    from launch.cli import JobFailed, check_names, run_job
     from launch.objective import record_validation
 
     parser = argparse.ArgumentParser(prog="fedmm-search", description=__doc__,
@@ -279,6 +279,7 @@ def run_search(argv: Sequence[str] | None = None) -> Any:
         args.overrides, args.space = [str(args.space), *args.overrides], None
     base, space = load_space(args.space, args.param)
     base = [*base, *args.overrides]
+    check_names(base)  # an unknown option or key: the nearest, as fedmm names it
     settings = check_space(base, space)
     sampler = optuna_object("samplers", args.sampler, args.sampler_args, "--sampler")
     pruner = optuna_object("pruners", args.pruner, args.pruner_args, "--pruner")

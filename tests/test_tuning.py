@@ -306,6 +306,9 @@ def test_a_search_with_fixed_held_out_keys_is_fine() -> None:
     (["--param", "training.lr=float(0.01, 0.1)", "strategy=fedcross"], "strategy.fraction_evaluate", "a value > 0"),
     (["--sampler", "TPE"], "--sampler", "TPESampler"),
     (["--pruner", "MedianPruner", "--pruner-args", '{"n_warmup": 1}'], "--pruner-args", "keyword arguments"),
+    (["--param", "training.lr=float(0.01, 0.1)", "strategy=fedcros"], "strategy", "did you mean fedcross?"),
+    (["+strategy.lrr=0.1"], "strategy.lrr", "did you mean training.lr?"),
+    (["strategy.alpah=0.5"], "strategy.alpah", "did you mean strategy.alpha?"),
 ])
 def test_a_bad_search_is_refused_before_the_first_trial_naming_the_value(tmp_path: Path, args: list[str], key: str,
                                                                           words: str) -> None:
