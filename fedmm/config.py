@@ -513,9 +513,9 @@ def compose(overrides: Sequence[str] = (), validate_config: bool = True) -> Any:
     for item in overrides:
         group = item.split("=", 1)[0].lstrip("+~")
         if group in GROUPS and "=" in item:
-            option = item.split("=", 1)[1]
-            if option not in group_options(group):
-                raise ConfigError(group, option, ", ".join(group_options(group)))
+            error = unknown_option(group, item.split("=", 1)[1])
+            if error is not None:
+                raise error
     try:
         selecting, values = _split_overrides(overrides)
         key = (tuple(selecting), _conf_signature())
@@ -527,12 +527,80 @@ def compose(overrides: Sequence[str] = (), validate_config: bool = True) -> Any:
         while len(_COMPOSED) > COMPOSED_KEPT:
             _COMPOSED.pop(next(iter(_COMPOSED)))
         cfg = copy.deepcopy(base)
+        for override in values:  # hydra would say "not in struct" and suggest the + form
+            error = None if has_key(cfg, override.key_or_group) else unknown_key(cfg, override.key_or_group, override.value())
+            if error is not None:
+                raise error
         ConfigLoaderImpl._apply_overrides_to_config(values, cfg)
     except (HydraException, OmegaConfBaseException) as err:
         raise ConfigError("overrides", list(overrides), f"valid hydra overrides ({err})") from err
     if validate_config:
         return validate(cfg)
     return cfg
+
+
+#: How a reader lists the options and the keys (what an unknown one's error ends with).
+LIST_OPTIONS = "`fedmm --help` lists every group's options"
+LIST_KEYS = "`fedmm --cfg job` prints every key"
+
+
+def unknown_option(group: str, option: str) -> ConfigError | None:
+    """None when ``option`` is an option of ``group``; else its error: the nearest option and how
+    to list them, or, with none near, all of them (never hydra's list of one option per line)."""
+    known = group_options(group)
+    if option in known:
+        return None
+    near = difflib.get_close_matches(option, known, n=1, cutoff=0.75)  # options share prefixes (fed...)
+    if near:
+        return ConfigError(group, option, f"an option of {group} ({LIST_OPTIONS}); did you mean {near[0]}?")
+    return ConfigError(group, option, ", ".join(known))
+
+
+def has_key(cfg: DictConfig, key: str) -> bool:
+    """Whether the composed ``cfg`` holds the dotted ``key``."""
+    node: Any = OmegaConf.to_container(cfg, resolve=False)
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+def unknown_key(cfg: DictConfig, key: str, value: Any) -> ConfigError | None:
+    """The error of a dotted ``key`` the composed ``cfg`` lacks, naming the nearest key: a near
+    name beside it (``training.lrr`` -> ``training.lr``), else, for a key of a group or of the
+    top level, a near name in any group (``strategy.lrr`` -> ``training.lr``). None when no key
+    is near, or when ``key`` adds to an empty mapping (``+simulation.ray_init_args.namespace=x``):
+    hydra's own message (use the ``+`` form) then stands."""
+    data = OmegaConf.to_container(cfg, resolve=False)
+    parent, _, leaf = key.rpartition(".")
+    node: Any = data
+    for part in parent.split(".") if parent else []:
+        node = node.get(part) if isinstance(node, dict) else None
+    if not isinstance(node, dict):  # the parent is unknown too: the nearest whole dotted key
+        near = difflib.get_close_matches(key, _dotted_keys(data), n=1)
+    elif not node:
+        return None
+    else:
+        near = [f"{parent}.{n}" if parent else n for n in difflib.get_close_matches(leaf, [str(k) for k in node], n=1)]
+        if not near and "." not in parent:  # a group's key or a top-level one: a near name in any group
+            names: dict[str, str] = {}  # a name -> the first dotted key of that name
+            for top, sub in data.items():
+                names.setdefault(str(top), str(top))
+                for name in sub if isinstance(sub, dict) else ():
+                    names.setdefault(str(name), f"{top}.{name}")
+            near = [names[n] for n in difflib.get_close_matches(leaf, list(names), n=1)]
+    if not near:
+        return None
+    return ConfigError(key, value, f"an existing key ({LIST_KEYS}); did you mean {near[0]}?")
+
+
+def _dotted_keys(data: Any, prefix: str = "") -> list[str]:
+    out = []
+    for k, v in (data.items() if isinstance(data, dict) else []):
+        out.append(f"{prefix}{k}")
+        out += _dotted_keys(v, f"{prefix}{k}.")
+    return out
 
 
 #: How many composed defaults lists :func:`compose` keeps (per process).
@@ -704,11 +772,8 @@ def resume_config(run_dir: str | os.PathLike, changes: Mapping[str, Any] | Seque
     """
     import yaml
 
-    path = Path(os.path.expanduser(str(run_dir))).resolve()
-    config_file = path / "config.yaml"
-    if not config_file.is_file():
-        raise ConfigError("resume", str(run_dir), "the directory of a fedmm run (it holds config.yaml and checkpoint.pt)")
-    cfg = yaml.safe_load(config_file.read_text(encoding="utf-8"))
+    path = resume_dir(run_dir)
+    cfg = yaml.safe_load((path / "config.yaml").read_text(encoding="utf-8"))
     if isinstance(cfg, dict):  # a group or run-level key added after runs were made: what those runs used
         for key, default in {**_GROUPS_ADDED, **RunSettings.all_added()}.items():
             cfg.setdefault(key, copy.deepcopy(default))
@@ -731,6 +796,14 @@ def resume_config(run_dir: str | os.PathLike, changes: Mapping[str, Any] | Seque
     cfg["resume"] = str(path)
     cfg["output_dir"] = str(path)
     return validate(cfg)
+
+
+def resume_dir(run_dir: str | os.PathLike) -> Path:
+    """The absolute directory of the run ``resume`` names; a ConfigError when it holds no run."""
+    path = Path(os.path.expanduser(str(run_dir))).resolve()
+    if not (path / "config.yaml").is_file():
+        raise ConfigError("resume", str(run_dir), "the directory of a fedmm run (it holds config.yaml and checkpoint.pt)")
+    return path
 
 
 #: Config groups added after runs were made (a run written before used these options).

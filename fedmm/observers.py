@@ -36,7 +36,9 @@ from typing import Any
 class StopRun(Exception):
     """Raised by an observer to end the run at once, cleanly: the run's ``summary.json`` gets
     ``status`` (e.g. ``pruned``) and ``reason``, its checkpoint is kept, and the runner returns the
-    run directory (no error)."""
+    run directory (no error). Raised from ``on_round_end``, the round it ends is a completed one
+    (its metrics row, its checkpoint and ``rounds_completed`` all hold it); raised from an event
+    inside a round (``on_metrics``), that round is not counted as completed."""
 
     def __init__(self, status: str, reason: str) -> None:
         super().__init__(f"{status}: {reason}")
@@ -83,8 +85,9 @@ class Observers(RunObserver):
     def __init__(self, observers: Iterable[RunObserver] = ()) -> None:
         self.observers = list(observers)
 
-    def add(self, observer: RunObserver) -> None:
-        self.observers.append(observer)
+    def add(self, observer: RunObserver, index: int | None = None) -> None:
+        """``observer`` last, or at position ``index`` (it then sees each event before those after it)."""
+        self.observers.insert(len(self.observers) if index is None else index, observer)
 
     def _emit(self, event: str, *args: Any) -> None:
         for observer in self.observers:

@@ -2,8 +2,9 @@
 
 One directory per run: the resolved ``config.yaml``, ``metrics.jsonl`` (one line per evaluated
 round), ``label_histograms.json``/``.png``, ``learning_curve.png``, ``federated_evaluation.json``
-(when clients evaluate), ``summary.json``, ``checkpoint.pt`` (to resume), ``final_model.pt`` (the
-global model's state_dict) and, for multi-model strategies, ``final_models.npz`` (the K models).
+(when clients evaluate), ``summary.json``, ``checkpoint.pt`` and ``checkpoint.previous.pt`` (the
+newest and the one before, to resume), ``final_model.pt`` (the global model's state_dict) and,
+for multi-model strategies, ``final_models.npz`` (the K models).
 The ServerApp writes them (``server_app/recording.py``).
 """
 

@@ -9,7 +9,9 @@ ClientApp of this app with ``simulation.num_supernodes`` virtual SuperNodes on t
 ``simulation.engine`` names: ``local`` (the default: both apps in this process, one ClientApp at a
 time, no Ray; :mod:`fedmm.local_engine`) or ``ray`` (Flower's simulation engine, on a local Ray or
 on the running Ray cluster that ``simulation.ray_address`` names); results go to the hydra job
-directory (or, with ``resume``, to the run being continued).
+directory (or, with ``resume``, to the run being continued: its log too, :func:`command_line`).
+Unknown options and keys are named, with the nearest valid one, before hydra composes
+(:func:`check_names`).
 
 This module is the composition root: the only place that imports both apps. Nothing imports it.
 """
@@ -439,15 +441,17 @@ def job_status(job_dir: Path) -> tuple[str, str]:
     return status, reason
 
 
-def fail_job(job_dir: Path, stage: str, err: BaseException, started: float) -> None:
+def fail_job(job_dir: Path, stage: str, err: BaseException, started: float, resumed: bool = False) -> None:
     """Mark the job in ``job_dir`` failed: ``summary.json`` with status ``failed``, the ``stage``
     (config, data, run) and the reason, unless the run itself recorded its failure there during
-    this job (the runner's summary says more: rounds completed, accuracy)."""
+    this job (the runner's summary says more: rounds completed, accuracy), or ``job_dir`` is the
+    run the job was to resume (``resumed``): a refused resume leaves that run's summary as it was
+    (the run can still be resumed), the refusal goes to its log."""
     from fedmm.results import SUMMARY_FILE, json_safe, run_status
 
     summary = job_dir / SUMMARY_FILE
     reason = failure_reason(err)
-    if summary.is_file() and summary.stat().st_mtime >= started and run_status(job_dir)[0] != "completed":
+    if resumed or (summary.is_file() and summary.stat().st_mtime >= started and run_status(job_dir)[0] != "completed"):
         return
     from server_app.recording import write_atomic
 
@@ -528,16 +532,23 @@ def job_config(cfg: DictConfig) -> dict[str, Any]:
     return config_mod.validate(resolved)
 
 
+def resumes_in_place(cfg: DictConfig, job_dir: Path) -> bool:
+    """Whether the job's folder is the run it resumes (:func:`command_line` made it so)."""
+    resume = cfg.get("resume")
+    return bool(resume) and Path(os.path.expanduser(str(resume))).resolve() == job_dir.resolve()
+
+
 @hydra.main(config_path=str(config_mod.CONF_DIR), config_name="config", version_base=None)
 def _hydra_main(cfg: DictConfig) -> float | None:
     started, job_dir, stage = time.time(), Path(HydraConfig.get().runtime.output_dir), "config"
+    resumed = resumes_in_place(cfg, job_dir)
     try:
         resolved = job_config(cfg)
         check_launcher(resolved)
         stage = "data"
         preflight(resolved)
     except Exception as err:  # noqa: BLE001 - whatever stops the job before its run marks it failed
-        return _job_failed(job_dir, stage, err, started)
+        return _job_failed(job_dir, stage, err, started, resumed)
     # Flower logs to its own console handler; stop hydra's root handler from printing it twice,
     # but send its lines (the round-by-round progress) to this job's hydra log file too.
     logging.getLogger("flwr").propagate = False
@@ -546,16 +557,17 @@ def _hydra_main(cfg: DictConfig) -> float | None:
     try:
         run_dir = run_job(resolved)
     except Exception as err:  # noqa: BLE001 - JobFailed, or whatever else the run raised
-        return _job_failed(job_dir, "run", err, started)
+        return _job_failed(job_dir, "run", err, started, resumed)
     print(f"fedmm: results written to {run_dir}", flush=True)
     return None
 
 
-def _job_failed(job_dir: Path, stage: str, err: BaseException, started: float) -> None:
-    """A job failed at ``stage``: mark it in its folder (:func:`fail_job`); a single run exits
-    non-zero here, a sweep goes on with its other jobs (and ``main`` exits non-zero at the end).
-    The job returns None."""
-    fail_job(job_dir, stage, err, started)
+def _job_failed(job_dir: Path, stage: str, err: BaseException, started: float, resumed: bool = False) -> None:
+    """A job failed at ``stage``: mark it in its folder (:func:`fail_job`) and its log; a single
+    run exits non-zero here, a sweep goes on with its other jobs (and ``main`` exits non-zero at
+    the end). The job returns None."""
+    fail_job(job_dir, stage, err, started, resumed)
+    note_in_job_log(f"fedmm: FAILED {job_dir} ({stage}): {failure_reason(err)}")
     if HydraConfig.get().mode != RunMode.MULTIRUN:
         if isinstance(err, ConfigError):
             raise SystemExit(str(err)) from None
@@ -563,6 +575,92 @@ def _job_failed(job_dir: Path, stage: str, err: BaseException, started: float) -
         raise SystemExit(1) from None
     print(f"fedmm: FAILED {job_dir}: {failure_reason(err)}", flush=True)
     return None
+
+
+def note_in_job_log(message: str) -> None:
+    """``message`` as an error line of the job's log file (hydra's file handler) only: the
+    console shows the failure already."""
+    record = logging.LogRecord("fedmm", logging.ERROR, __file__, 0, message, None, None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+
+
+def check_names(overrides: list[str]) -> None:
+    """Before hydra composes (it would print its whole list of a group's options, one per line,
+    or "not in struct" and the ``+`` form): every option and key ``overrides`` name exists, else
+    a ConfigError naming the nearest one (:func:`fedmm.config.unknown_option`,
+    :func:`fedmm.config.unknown_key`). Each value of a sweep is checked, and a key is known when
+    the config of any option its group sweeps holds it. A key no valid one is near is left to
+    hydra (e.g. a new key of a mapping, with ``+``)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import Glob
+    from hydra.errors import HydraException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides=list(overrides))
+    except HydraException:
+        return  # hydra says what is wrong with the syntax
+    groups = set(config_mod.GROUPS) | {p.name for p in config_mod.CONF_DIR.iterdir() if p.is_dir() and p.name != "hydra"}
+    selecting: list[tuple[str, str, list[str]]] = []  # (prefix, group, options)
+    keys = []
+    for override in parsed:
+        key = override.key_or_group
+        if key.split(".")[0].split("/")[0] == "hydra" or override.is_delete() or override.package is not None:
+            continue
+        if key in groups:
+            if isinstance(override.value(), Glob):
+                continue
+            options = list(override.sweep_string_iterator()) if override.is_sweep_override() else \
+                [override.get_value_element_as_str()]
+            for option in options:
+                error = config_mod.unknown_option(key, option)
+                if error is not None:
+                    raise error
+            selecting.append(("++" if override.is_force_add() else "+" if override.is_add() else "", key, options))
+        else:
+            keys.append((key, override.get_value_string() if override.is_sweep_override() else override.value()))
+    top = {f.name for f in config_mod.RunSettings.settings_fields()}
+    if all(key in top for key, _ in keys):
+        return  # no composition needed
+    first = [f"{prefix}{group}={options[0]}" for prefix, group, options in selecting]
+    variants = [first] + [[*first[:i], f"{prefix}{group}={option}", *first[i + 1:]]
+                          for i, (prefix, group, options) in enumerate(selecting) for option in options[1:]]
+    try:
+        configs = [config_mod.compose(variant, validate_config=False) for variant in variants]
+    except ConfigError:
+        return  # hydra, or the job's validation, says what is wrong
+    for key, value in keys:
+        if not any(config_mod.has_key(cfg, key) for cfg in configs):
+            error = config_mod.unknown_key(configs[0], key, value)
+            if error is not None:
+                raise error
+
+
+def command_line(argv: list[str]) -> list[str]:
+    """``fedmm``'s arguments, checked before hydra sees them (:func:`check_names`), and, for a
+    single run that resumes a run (``resume=<run dir>``), completed so that hydra's job folder is
+    that run: the job's log (``cli.log``) goes on in the run it continues, with no ``.hydra``
+    folder written over the run's own, and no new folder under ``outputs/`` (unless the command
+    line sets ``hydra.run.dir``). A ``resume`` that names no run is refused here, before hydra
+    makes a folder for the job."""
+    from hydra._internal.utils import get_args_parser
+
+    args, _ = get_args_parser().parse_known_args(argv)
+    check_names(args.overrides)
+    if args.multirun or args.help or args.hydra_help or args.cfg or args.info or args.shell_completion:
+        return argv
+    resume = None
+    for override in args.overrides:
+        key, sep, value = override.lstrip("+").partition("=")
+        if key == "resume" and sep:
+            resume = value.strip("'\"") or None
+    if resume in (None, "null") or any(o.lstrip("+").startswith("hydra.run.dir=") for o in args.overrides):
+        return argv
+    run_dir = str(config_mod.resume_dir(resume))
+    if any(c in run_dir for c in "'\\$"):
+        return argv  # not writable as an override value: hydra's own job folder
+    return [*argv, f"hydra.run.dir='{run_dir}'", "hydra.output_subdir=null"]
 
 
 def main() -> None:
@@ -573,6 +671,10 @@ def main() -> None:
 
     install_signal_handlers()
     config_mod.register_defaults()  # every declaration's defaults, before hydra composes
+    try:
+        sys.argv[1:] = command_line(sys.argv[1:])
+    except ConfigError as err:
+        raise SystemExit(str(err)) from None
     try:
         _hydra_main()
     except KeyboardInterrupt:

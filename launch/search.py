@@ -17,8 +17,13 @@ rounds, never the test split); a run without one is a failed trial and the searc
 - **Sampler and pruner**: any of Optuna's, by class name (``--sampler TPESampler``, ``RandomSampler``,
   ``CmaEsSampler``, ``GPSampler``, ...; ``--pruner MedianPruner``, ``HyperbandPruner``,
   ``NopPruner``, ...), with keyword arguments as JSON (``--sampler-args '{"n_startup_trials": 5}'``).
-  The pruner sees each evaluated round's validation accuracy; a pruned trial's run ends at once with
-  ``status: pruned`` in its ``summary.json``.
+  The pruner sees each evaluated round's validation accuracy; a pruned trial's run ends at the end of
+  the round it judged, with ``status: pruned`` in its ``summary.json`` (that round completed, as in
+  ``metrics.jsonl``) and that one round's figure in its reason.
+- **A finite space** (every dimension a choice or whole numbers) runs each value set once: a value
+  set with a completed trial in the study (on the same base config) is not run again (the trial
+  ends as pruned, ``duplicate_of`` set, and the next one takes a value set not run yet); when
+  every value set has completed, the search says so and ends.
 - **The space**: ``float(low, high[, log])``, ``int(low, high[, log])``, ``choice(a, b, ...)`` per
   key, in the file's ``params`` or ``--param key=...``. Before the first trial every value the space
   can take is checked as a setting (each bound, each choice), the base config must record a
@@ -34,6 +39,7 @@ import ast
 import importlib
 import json
 import math
+import random
 import re
 import sys
 from collections.abc import Mapping, Sequence
@@ -43,7 +49,7 @@ from typing import Any
 
 from fedmm.errors import ConfigError
 from fedmm.observers import RunObserver, StopRun
-from launch.objective import VALIDATION_METRIC, NoValidation, check_search_space, check_validation
+from launch.objective import VALIDATION_FILE, VALIDATION_METRIC, NoValidation, check_search_space, check_validation
 
 
 @dataclass(frozen=True)
@@ -144,6 +150,53 @@ def trial_overrides(base: Sequence[str], values: Mapping[str, Any]) -> list[str]
                      for key, value in values.items())]
 
 
+def finite_size(space: Mapping[str, Dimension]) -> int | None:
+    """How many value sets ``space`` holds (choices and whole numbers); None when a dimension is
+    continuous (``float``)."""
+    size = 1
+    for dim in space.values():
+        if dim.kind == "float":
+            return None
+        size *= len(dim.choices) if dim.kind == "choice" else int(dim.high) - int(dim.low) + 1
+    return size
+
+
+def completed_values(trials: Sequence[Any], keys: Sequence[str], base: Sequence[str]) -> dict[tuple[Any, ...], Any]:
+    """The value sets of ``keys`` that a COMPLETE trial of ``trials`` ran on the base config
+    ``base`` (its recorded overrides; a trial that recorded none counts) -> that trial (the first)."""
+    import optuna
+
+    done: dict[tuple[Any, ...], Any] = {}
+    for t in trials:
+        if t.state == optuna.trial.TrialState.COMPLETE and all(k in t.params for k in keys) \
+                and list(t.user_attrs.get("base", base)) == list(base):
+            done.setdefault(tuple(t.params[k] for k in keys), t)
+    return done
+
+
+def untried_values(space: Mapping[str, Dimension], done: Mapping[tuple[Any, ...], Any], rng: Any) -> dict[str, Any] | None:
+    """A value set of the finite ``space`` that no completed trial ran (drawn with ``rng``, else
+    the first in order); None when every one has."""
+    import itertools
+
+    axes = [list(dim.choices) if dim.kind == "choice" else range(int(dim.low), int(dim.high) + 1) for dim in space.values()]
+    for _ in range(1000):
+        point = tuple(rng.choice(axis) for axis in axes)
+        if point not in done:
+            return dict(zip(space, point))
+    point = next((p for p in itertools.product(*axes) if p not in done), None)
+    return None if point is None else dict(zip(space, point))
+
+
+def rounds_text(rounds: Sequence[int]) -> str:
+    """What a validation figure is: ``round 3 alone``, ``the mean of rounds 1-3``, ``... rounds 2, 4, 6``."""
+    rounds = list(rounds)
+    if len(rounds) == 1:
+        return f"round {rounds[0]} alone"
+    consecutive = rounds == list(range(rounds[0], rounds[-1] + 1))
+    return f"the mean of rounds {rounds[0]}-{rounds[-1]}" if consecutive else f"the mean of rounds {', '.join(map(str, rounds))}"
+
+
 def check_space(base: Sequence[str], space: Mapping[str, Dimension]) -> Any:
     """Before the first trial: the base config validates and records a validation figure, no
     held-out key is tuned, and every value the space can take is a valid setting. Returns the
@@ -164,11 +217,14 @@ def check_space(base: Sequence[str], space: Mapping[str, Dimension]) -> Any:
 
 
 class Pruning(RunObserver):
-    """Reports each evaluated round's validation accuracy to the trial and ends the run when the
-    pruner says so (:class:`fedmm.observers.StopRun`: the run's status is ``pruned``)."""
+    """Reports each evaluated round's validation accuracy to the trial and, when the pruner says
+    so, ends the run at that round's end (:class:`fedmm.observers.StopRun`: the run's status is
+    ``pruned``; the round is recorded and checkpointed first, so ``summary.json`` counts it as
+    ``metrics.jsonl`` does)."""
 
     def __init__(self, trial: Any, pruner: str) -> None:
         self.trial, self.pruner = trial, pruner
+        self.stop: StopRun | None = None
 
     def on_metrics(self, row: Mapping[str, Any]) -> None:
         value = row.get(VALIDATION_METRIC)
@@ -176,8 +232,12 @@ class Pruning(RunObserver):
             return
         self.trial.report(float(value), int(row["round"]))
         if self.trial.should_prune():
-            raise StopRun("pruned", f"pruned by {self.pruner} after round {row['round']} (validation accuracy "
-                                    f"{float(value):.4f})")
+            self.stop = StopRun("pruned", f"pruned by {self.pruner} after round {row['round']} (the validation accuracy "
+                                          f"of round {row['round']} alone: {float(value):.4f})")
+
+    def on_round_end(self, server_round: int) -> None:
+        if self.stop is not None:
+            raise self.stop
 
 
 def optuna_object(module: str, name: str, args: str | None, what: str) -> Any:
@@ -198,7 +258,7 @@ def run_search(argv: Sequence[str] | None = None) -> Any:
     import optuna
 
     from fedmm.config import compose, to_container
-    from launch.cli import JobFailed, run_job
+    from launch.cli import JobFailed, check_names, run_job
     from launch.objective import record_validation
 
     parser = argparse.ArgumentParser(prog="fedmm-search", description=__doc__,
@@ -219,6 +279,7 @@ def run_search(argv: Sequence[str] | None = None) -> Any:
         args.overrides, args.space = [str(args.space), *args.overrides], None
     base, space = load_space(args.space, args.param)
     base = [*base, *args.overrides]
+    check_names(base)  # an unknown option or key: the nearest, as fedmm names it
     settings = check_space(base, space)
     sampler = optuna_object("samplers", args.sampler, args.sampler_args, "--sampler")
     pruner = optuna_object("pruners", args.pruner, args.pruner_args, "--pruner")
@@ -228,9 +289,25 @@ def run_search(argv: Sequence[str] | None = None) -> Any:
     storage = args.storage or f"sqlite:///{root / 'optuna.db'}"
     study = optuna.create_study(study_name=study_name, storage=storage, sampler=sampler, pruner=pruner,
                                 direction="maximize", load_if_exists=True)
+    print(f"fedmm-search: study {study_name!r} in {storage} (shown live by: optuna-dashboard {storage})", flush=True)
+    size, keys = finite_size(space), list(space)
+    ran = [0]  # trials whose run started (a value set drawn again is not run, and does not count)
 
     def objective(trial: Any) -> float:
         values = {key: dim.suggest(trial) for key, dim in space.items()}
+        if size is not None:  # a finite space: a value set that completed is not run again
+            done = completed_values(study.get_trials(deepcopy=False), keys, base)
+            twin = done.get(tuple(values[k] for k in keys))
+            if twin is not None:
+                untried = untried_values(space, done, random.Random(trial.number))
+                if untried is not None:  # the next trial runs a value set not run yet
+                    study.enqueue_trial(untried)
+                trial.set_user_attr("duplicate_of", twin.number)
+                print(f"fedmm-search: trial {trial.number} drew {values}, which trial {twin.number} completed (validation "
+                      f"accuracy {twin.value:.4f}): not run again", flush=True)
+                raise optuna.TrialPruned(f"a value set trial {twin.number} completed: not run again")
+        ran[0] += 1
+        trial.set_user_attr("base", list(base))
         out = root / study_name / f"trial_{trial.number:04d}"
         cfg = to_container(compose([*trial_overrides(base, values), f"output_dir={out}"]))
         trial.set_user_attr("run_dir", str(out))
@@ -238,9 +315,25 @@ def run_search(argv: Sequence[str] | None = None) -> Any:
         summary = json.loads((run / "summary.json").read_text())
         if summary["status"] == "pruned":
             raise optuna.TrialPruned(summary.get("reason", "pruned"))
-        return record_validation(compose(list(base)), run)
+        value = record_validation(compose(list(base)), run)
+        trial.set_user_attr("validation_rounds", json.loads((run / VALIDATION_FILE).read_text())["rounds"])
+        return value
 
-    study.optimize(objective, n_trials=args.trials, timeout=args.timeout, catch=(JobFailed, NoValidation))
+    def enough(study: Any, trial: Any) -> None:
+        exhausted = size is not None and len(completed_values(study.get_trials(deepcopy=False), keys, base)) >= size
+        if ran[0] >= args.trials or exhausted:
+            study.stop()
+
+    exhausted = size is not None and len(completed_values(study.get_trials(deepcopy=False), keys, base)) >= size
+    if not exhausted:
+        # a finite space may draw value sets that completed: each such trial is followed by one
+        # enqueued with a value set not run yet, so 2 x --trials trials always run --trials
+        study.optimize(objective, n_trials=args.trials if size is None else 2 * args.trials, timeout=args.timeout,
+                       catch=(JobFailed, NoValidation), callbacks=[enough])
+    if size is not None and len(completed_values(study.get_trials(deepcopy=False), keys, base)) >= size:
+        print(f"fedmm-search: each of the {size} value sets of this space has a completed trial in study {study_name!r}: "
+              f"none is left to run (a finite space runs each once on the same base config; another --study starts afresh)",
+              flush=True)
     return study
 
 
@@ -252,12 +345,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     import optuna
 
-    complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
-    states = {s.name.lower(): sum(t.state == s for t in study.trials) for s in optuna.trial.TrialState}
-    print(f"fedmm-search: study {study.study_name!r}: " + ", ".join(f"{n} {k}" for k, n in states.items() if n))
+    trials = study.get_trials(deepcopy=False)
+    complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
+    skipped = sum(1 for t in trials if "duplicate_of" in t.user_attrs)
+    states = {s.name.lower(): sum(t.state == s and "duplicate_of" not in t.user_attrs for t in trials)
+              for s in optuna.trial.TrialState}
+    counts = [f"{n} {k}" for k, n in states.items() if n] + ([f"{skipped} not run (value sets already completed)"] if skipped else [])
+    print(f"fedmm-search: study {study.study_name!r}: " + ", ".join(counts))
     if complete:
         best = study.best_trial
-        print(f"best: trial {best.number}, validation accuracy {best.value:.4f}, {best.params} ({best.user_attrs.get('run_dir')})")
+        rounds = best.user_attrs.get("validation_rounds")
+        what = f" ({rounds_text(rounds)})" if rounds else ""
+        print(f"best: trial {best.number}, validation accuracy {best.value:.4f}{what}, {best.params} "
+              f"({best.user_attrs.get('run_dir')})")
     return 0 if complete else 1
 
 

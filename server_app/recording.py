@@ -78,15 +78,20 @@ def create_run_dir(run: Any, simulation: bool = True) -> Path:
 
 
 @contextlib.contextmanager
-def atomic_file(path: Path, mode: str = "w") -> Iterator[IO[Any]]:
+def atomic_file(path: Path, mode: str = "w", previous: Path | None = None) -> Iterator[IO[Any]]:
     """Open a temporary file beside ``path``; on success flush it to disk and rename it over
-    ``path`` (then sync the folder), so ``path`` is always the old content or the whole new one."""
+    ``path`` (then sync the folder), so ``path`` is always the old content or the whole new one.
+
+    ``previous``: the old ``path`` is kept there (one older generation), moved only once the new
+    content is complete on disk: the older generation is never lost before the newer one exists."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
+        if previous is not None and path.exists():
+            _keep_as(path, previous)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -96,6 +101,20 @@ def atomic_file(path: Path, mode: str = "w") -> Iterator[IO[Any]]:
         os.fsync(dir_fd)  # the rename itself survives a power cut
     finally:
         os.close(dir_fd)
+
+
+def _keep_as(path: Path, previous: Path) -> None:
+    """``previous`` becomes ``path``'s current content, atomically, ``path`` staying in place
+    (a hard link renamed over ``previous``); where the filesystem has no hard links, ``path`` is
+    renamed (it is then missing until its replacement is renamed in, a moment later)."""
+    link = previous.with_name(f".{previous.name}-{os.getpid()}.link")
+    try:
+        link.unlink(missing_ok=True)
+        os.link(path, link)
+    except OSError:
+        os.replace(path, previous)
+        return
+    os.replace(link, previous)
 
 
 def write_atomic(path: Path, text: str) -> None:

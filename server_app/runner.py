@@ -251,8 +251,10 @@ def run_locked(grid: Grid, run: RunSettings, run_dir: Path, checkpoint: dict[str
             log(INFO, "fedmm: resuming at round %d/%d from %s", start_round, num_rounds, run_dir)
         t0 = time.perf_counter() - seconds_before
         checkpoints = Checkpointer(run_dir, strategy, recorder, counting, lambda: time.perf_counter() - t0, checkpoint_every,
-                                   num_rounds, done)
-        watchers.add(checkpoints)
+                                   num_rounds, done, None if checkpoint is None else checkpoint["loaded_from"])
+        # before the caller's observers: one that ends the run at a round's end (a search's pruner)
+        # finds that round recorded and checkpointed
+        watchers.add(checkpoints, index=1)
 
         def central_evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
             if server_round % eval_every and server_round != num_rounds:

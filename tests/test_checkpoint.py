@@ -178,3 +178,151 @@ def test_output_dir_is_new_empty_or_hydras_never_a_folder_with_other_files(tmp_p
     (tmp_path / "file").write_text("")
     with pytest.raises(ConfigError, match="a directory"):
         run_dir(tmp_path / "file")
+
+
+# ------------------------------------------------------------------ two generations, a resume that falls back
+def test_two_generations_are_kept_and_a_failed_write_touches_neither(tmp_path: Path, monkeypatch) -> None:
+    from server_app.checkpoint import PREVIOUS_CHECKPOINT_FILE, read_checkpoint
+
+    for rnd in (1, 2, 3):
+        save_checkpoint(tmp_path, {"round": rnd})
+    assert read_checkpoint(tmp_path / CHECKPOINT_FILE)["round"] == 3
+    assert read_checkpoint(tmp_path / PREVIOUS_CHECKPOINT_FILE)["round"] == 2
+
+    def crash(obj, f):  # the process dies while writing round 4's
+        f.write(b"partial bytes")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path, {"round": 4})
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [PREVIOUS_CHECKPOINT_FILE, CHECKPOINT_FILE]  # no temp file
+    assert read_checkpoint(tmp_path / CHECKPOINT_FILE)["round"] == 3
+    assert read_checkpoint(tmp_path / PREVIOUS_CHECKPOINT_FILE)["round"] == 2
+
+
+@pytest.mark.parametrize(("damage", "why"), [
+    (lambda raw: raw[: len(raw) // 2], "checkpoint.pt is truncated: its end is missing"),
+    (lambda raw: b"", "checkpoint.pt is empty (0 bytes)"),
+    (lambda raw: raw[:2000] + bytes(b ^ 0xFF for b in raw[2000:2100]) + raw[2100:], "checkpoint.pt is corrupt: its part"),
+], ids=["truncated", "empty", "bits-flipped"])
+def test_an_unreadable_newest_checkpoint_falls_back_to_the_previous_with_a_warning(tmp_path: Path, caplog, damage,
+                                                                                  why: str) -> None:
+    from server_app.checkpoint import PREVIOUS_CHECKPOINT_FILE
+
+    save_checkpoint(tmp_path, {"round": 1, "w": np.zeros(1000, np.float32)})
+    save_checkpoint(tmp_path, {"round": 2, "w": np.ones(1000, np.float32)})
+    newest = tmp_path / CHECKPOINT_FILE
+    newest.write_bytes(damage(newest.read_bytes()))
+    with caplog.at_level("WARNING"):
+        state = load_checkpoint(tmp_path)
+    assert state["round"] == 1 and state["loaded_from"] == PREVIOUS_CHECKPOINT_FILE
+    np.testing.assert_array_equal(state["w"], np.zeros(1000, np.float32))
+    assert why in caplog.text and f"resuming from the previous checkpoint, {PREVIOUS_CHECKPOINT_FILE} (round 1)" in caplog.text
+    assert "written by this version" not in caplog.text
+
+
+def test_both_generations_unreadable_is_one_refusal_naming_both(tmp_path: Path) -> None:
+    from fedmm.errors import ConfigError
+    from server_app.checkpoint import PREVIOUS_CHECKPOINT_FILE
+
+    save_checkpoint(tmp_path, {"round": 1})
+    save_checkpoint(tmp_path, {"round": 2})
+    (tmp_path / CHECKPOINT_FILE).write_bytes((tmp_path / CHECKPOINT_FILE).read_bytes()[:100])
+    (tmp_path / PREVIOUS_CHECKPOINT_FILE).write_bytes(b"not a checkpoint")
+    with pytest.raises(ConfigError) as info:
+        load_checkpoint(tmp_path)
+    message = str(info.value)
+    assert info.value.key == "resume" and "checkpoint.pt is truncated" in message
+    assert f"{PREVIOUS_CHECKPOINT_FILE} is not a checkpoint" in message
+    (tmp_path / PREVIOUS_CHECKPOINT_FILE).unlink()  # a run that wrote one checkpoint
+    with pytest.raises(ConfigError, match=f"checkpoint.pt is truncated.*there is no {PREVIOUS_CHECKPOINT_FILE} to fall back to"):
+        load_checkpoint(tmp_path)
+
+
+def test_torchs_reason_is_quoted_in_whole_sentences(tmp_path: Path) -> None:
+    """torch's own message (a crafted pickle, refused by weights_only) quoted by its specific
+    sentence, never cut in the middle of one."""
+    from server_app.checkpoint import read_checkpoint, UnreadableCheckpoint
+
+    torch.save({"version": 2, "round": 1, "payload": _Boom()}, tmp_path / "checkpoint.pt")
+    with pytest.raises(UnreadableCheckpoint) as info:
+        read_checkpoint(tmp_path / "checkpoint.pt")
+    message = str(info.value)
+    assert message.startswith("checkpoint.pt is unreadable: it does not load as tensors and plain values (torch: ")
+    quoted = message.split("(torch: ", 1)[1][:-1]
+    assert quoted.endswith(".") and "posix.system" in quoted and "In PyTorch 2.6" not in quoted, message
+
+
+def test_the_first_checkpoint_after_a_fallback_replaces_the_unreadable_one(tmp_path: Path) -> None:
+    """A run resumed from the previous generation keeps it as the previous one: the unreadable
+    newest is replaced, never kept as the fallback."""
+    from server_app.checkpoint import PREVIOUS_CHECKPOINT_FILE, Checkpointer, read_checkpoint
+
+    save_checkpoint(tmp_path, {"round": 1})
+    save_checkpoint(tmp_path, {"round": 2})
+    (tmp_path / CHECKPOINT_FILE).write_bytes(b"PK\x03\x04 cut")
+    state = load_checkpoint(tmp_path)
+
+    class Strategy:
+        last_evaluate_metrics = None
+
+        def state_dict(self) -> dict:
+            return {}
+
+    recorder = type("Recorder", (), {"history": [], "federated": {}})()
+    grid = type("Grid", (), {"bytes_sent": 0, "bytes_received": 0})()
+    checkpoints = Checkpointer(tmp_path, Strategy(), recorder, grid, lambda: 0.0, 1, 5, state["round"], state["loaded_from"])
+    checkpoints.on_round_end(2)
+    assert read_checkpoint(tmp_path / CHECKPOINT_FILE)["round"] == 2
+    assert read_checkpoint(tmp_path / PREVIOUS_CHECKPOINT_FILE)["round"] == 1
+    checkpoints.on_round_end(3)  # and from then on, two generations again
+    assert read_checkpoint(tmp_path / PREVIOUS_CHECKPOINT_FILE)["round"] == 2
+
+
+def test_a_resume_falls_back_from_a_truncated_checkpoint_loses_nothing_and_writes_into_its_run(tmp_path: Path) -> None:
+    """``fedmm resume=<run>`` whose newest checkpoint a disk fault truncated: it warns naming the
+    file, continues from the previous generation and ends with the metrics of the run it resumes,
+    to the last digit; its log goes on in the run's own cli.log, and no folder appears under
+    outputs/. A refused resume (a change it does not allow, a folder that holds no run) also
+    writes nothing outside the run, and leaves the run's summary.json as it was."""
+    import subprocess
+    import sys
+
+    fedmm = [str(Path(sys.executable).parent / "fedmm")]
+    env = dict(os.environ, FLWR_TELEMETRY_ENABLED="0")
+    run = tmp_path / "outputs" / "run"
+
+    def fedmm_in(args: list[str]) -> subprocess.CompletedProcess:
+        return subprocess.run([*fedmm, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+
+    first = fedmm_in(["num_rounds=3", "num_clients=4", "clients_per_round=2", "model=lenet", "training.local_steps=5",
+                      "checkpoint_every=1", f"hydra.run.dir={run}"])
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    recorded = [{k: v for k, v in row.items() if k != "seconds"} for row in read_metrics(run)]
+    hydra_record = (run / ".hydra" / "overrides.yaml").read_text()
+    log_lines = (run / "cli.log").read_text().count("\n")
+    newest = run / CHECKPOINT_FILE
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 3])
+
+    resumed = fedmm_in(["resume=outputs/run"])
+    output = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, output[-3000:]
+    assert "checkpoint.pt is truncated" in output and "resuming from the previous checkpoint" in output
+    assert "resuming at round 3/3" in output
+    assert [{k: v for k, v in row.items() if k != "seconds"} for row in read_metrics(run)] == recorded  # nothing lost
+    assert json.loads((run / "summary.json").read_text())["status"] == "completed"
+    assert [p.name for p in (tmp_path / "outputs").iterdir()] == ["run"]  # no stray hydra folder
+    log = (run / "cli.log").read_text()
+    assert log.count("\n") > log_lines and "checkpoint.pt is truncated" in log and "resuming at round 3/3" in log
+    assert (run / ".hydra" / "overrides.yaml").read_text() == hydra_record  # the run's own record kept
+
+    summary = (run / "summary.json").read_text()
+    refused = fedmm_in(["resume=outputs/run", "training.lr=0.5"])
+    assert refused.returncode == 1 and "no change when resuming" in refused.stderr, refused.stdout + refused.stderr
+    assert "no change when resuming" in (run / "cli.log").read_text()  # the refusal in the run's log
+    assert (run / "summary.json").read_text() == summary
+    missing = fedmm_in(["resume=outputs/missing"])
+    assert missing.returncode == 1 and "the directory of a fedmm run" in missing.stderr
+    assert [p.name for p in (tmp_path / "outputs").iterdir()] == ["run"]

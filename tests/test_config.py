@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from fedmm.config import compose, compose_from_run_config, group_options, overrides_from_run_config, to_container
@@ -82,11 +84,61 @@ def test_malformed_overrides_are_one_config_error() -> None:
     assert info.value.key == "overrides" and "quotes balanced" in str(info.value)
 
 
-def test_unknown_group_option_lists_all_options() -> None:
+def test_an_unknown_option_names_the_nearest_one_or_else_lists_them_all() -> None:
     with pytest.raises(ConfigError) as info:
         compose(["model=resnet"])
+    assert str(info.value).endswith("did you mean resnet20?") and "`fedmm --help` lists" in str(info.value)
+    assert "char_lstm" not in str(info.value)  # one short line, not the list
+    with pytest.raises(ConfigError) as info:
+        compose(["model=transformer"])  # none near: every option, on one line
     for option in group_options("model"):
         assert option in str(info.value)
+
+
+#: (the command line, the key named, the nearest one): an unknown option, a misspelt key with and
+#: without ``+``, a key of a group that has no near one (the nearest in any group), a sweep.
+MISSPELT = [
+    (["strategy=fedcros"], "strategy", "did you mean fedcross?"),
+    (["-m", "strategy=fedavg,fedcros"], "strategy", "did you mean fedcross?"),
+    (["training.lrr=0.1"], "training.lrr", "did you mean training.lr?"),
+    (["+training.lrr=0.1"], "training.lrr", "did you mean training.lr?"),
+    (["strategy=fedcross", "strategy.lrr=0.1"], "strategy.lrr", "did you mean training.lr?"),
+    (["strategy=fedcross", "+strategy.lrr=0.1"], "strategy.lrr", "did you mean training.lr?"),
+    (["strategy=fedcross", "strategy.alpah=0.5"], "strategy.alpah", "did you mean strategy.alpha?"),
+    (["num_round=2"], "num_round", "did you mean num_rounds?"),
+    (["+experiment=kdd_table1_dirichle"], "experiment", "did you mean kdd_table1_dirichlet?"),
+]
+
+
+@pytest.mark.parametrize(("argv", "key", "nearest"), MISSPELT, ids=[" ".join(argv) for argv, _, _ in MISSPELT])
+def test_a_misspelt_option_or_key_names_the_nearest_on_every_form(argv: list[str], key: str, nearest: str) -> None:
+    """What ``fedmm`` checks before hydra composes (launch/cli.py, check_names): hydra would print
+    its whole list of options, or "not in struct, use +key" for a key without ``+``."""
+    from launch.cli import command_line
+
+    with pytest.raises(ConfigError) as info:
+        command_line(argv)
+    assert info.value.key == key and str(info.value).endswith(nearest), info.value
+    assert "`fedmm --help` lists" in str(info.value) or "`fedmm --cfg job` prints" in str(info.value)
+    if not argv[-1].startswith(("+", "-")) and "-m" not in argv:  # fedmm-search and flwr run compose the same way
+        with pytest.raises(ConfigError) as composed:
+            compose(argv)
+        assert str(composed.value) == str(info.value)
+
+
+def test_fedmm_prints_one_line_for_an_unknown_option_and_makes_no_folder(tmp_path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, FLWR_TELEMETRY_ENABLED="0")
+    for args, nearest in ((["strategy=fedcros"], "did you mean fedcross?"), (["strategy.lrr=0.1"], "did you mean training.lr?")):
+        proc = subprocess.run([str(Path(sys.executable).parent / "fedmm"), *args], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 1 and proc.stdout == "", proc.stdout + proc.stderr
+        assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and proc.stderr.strip().endswith(nearest), proc.stderr
+        assert "Available options" not in proc.stderr and "+strategy" not in proc.stderr
+    assert list(tmp_path.iterdir()) == []  # no outputs/ folder for a command that never ran
 
 
 def test_validation_is_one_pass_over_registered_schemas() -> None:
@@ -172,7 +224,8 @@ def test_compose_gives_what_hydra_composes() -> None:
         except Exception as err:  # noqa: BLE001 - the same refusal, below
             with pytest.raises(ConfigError) as refused:
                 compose(overrides, validate_config=False)
-            assert str(err).splitlines()[0] in str(refused.value), overrides
+            # hydra's reason, or for a misspelt key the nearest one (hydra: "not in struct")
+            assert str(err).splitlines()[0] in str(refused.value) or "did you mean" in str(refused.value), overrides
             continue
         assert OmegaConf.to_container(compose(overrides, validate_config=False)) == theirs, overrides
 

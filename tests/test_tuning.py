@@ -111,6 +111,99 @@ def test_every_trial_was_validated_on_the_same_held_out_rows(search: dict[str, A
     assert all(h == held_out[0] for h in held_out)
 
 
+def test_a_trial_pruned_at_its_last_round_has_a_summary_that_agrees_with_its_metrics(tmp_path: Path) -> None:
+    """The pruner decides on round 2's figure (warm-up: not on round 1's), the run's last: its
+    summary counts round 2 as metrics.jsonl and its checkpoint do, and its reason says which
+    figure it saw (one round's, not the mean a completed trial is scored by)."""
+    from server_app.checkpoint import load_checkpoint
+
+    study = run_search([str(CONF_DIR / "search" / "fedcross_alpha.yaml"), *TINY, f"results_root={tmp_path}",
+                        "--storage", f"sqlite:///{tmp_path / 's.db'}", "--trials", "1", "--sampler", "RandomSampler",
+                        "--pruner", "ThresholdPruner", "--pruner-args", json.dumps({"lower": 1.0, "n_warmup_steps": 2})])
+    (trial,) = study.trials
+    assert trial.state == optuna.trial.TrialState.PRUNED and list(trial.intermediate_values) == [1, 2]
+    run = Path(trial.user_attrs["run_dir"])
+    summary = json.loads((run / "summary.json").read_text())
+    rows = read_metrics(run)
+    assert summary["status"] == "pruned" and rows[-1]["round"] == 2
+    assert summary["rounds_completed"] == rows[-1]["round"] == load_checkpoint(run)["round"], summary
+    assert f"after round 2 (the validation accuracy of round 2 alone: {rows[-1]['federated_accuracy']:.4f})" in summary["reason"]
+
+
+def fake_job(figures: Any, ran: list[dict]) -> Any:
+    """A stand-in for a trial's job: its run folder with ``figures`` (an iterator of federated
+    accuracies per round), its config recorded in ``ran``."""
+
+    def job(cfg: dict, observers: Any = ()) -> Path:
+        out = Path(cfg["output_dir"])
+        ran.append(cfg)
+        write_run(out, next(figures))
+        (out / "summary.json").write_text(json.dumps({"status": "completed"}))
+        return out
+
+    return job
+
+
+def test_a_finite_space_never_runs_a_completed_value_set_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture) -> None:
+    """Three values of α; the same search run again and again: each value runs once, then the
+    search says none is left (the same seeded sampler draws the completed values again)."""
+    import itertools
+
+    import launch.cli
+    from launch.search import main
+
+    ran: list[dict] = []
+    monkeypatch.setattr(launch.cli, "run_job", fake_job(itertools.repeat([0.3, 0.4]), ran))
+    args = ["--param", "strategy.alpha=choice(0.5, 0.9, 0.99)", "strategy=fedcross", "strategy.fraction_evaluate=1.0",
+            "partition.local_test_fraction=0.2", *TINY, f"results_root={tmp_path}", "--storage",
+            f"sqlite:///{tmp_path / 's.db'}", "--sampler", "RandomSampler", "--sampler-args", '{"seed": 3}']
+    assert main([*args, "--trials", "2"]) == 0
+    assert len(ran) == 2
+    assert main([*args, "--trials", "2"]) == 0  # one value left: it runs, then none is left
+    assert main([*args, "--trials", "2"]) == 0  # nothing runs
+    alphas = [cfg["strategy"]["alpha"] for cfg in ran]
+    assert sorted(alphas) == [0.5, 0.9, 0.99], alphas
+    out = capsys.readouterr().out
+    assert out.count("none is left to run") >= 2
+    study = optuna.load_study(study_name="fedmm", storage=f"sqlite:///{tmp_path / 's.db'}")
+    complete = [t.params["strategy.alpha"] for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert sorted(complete) == [0.5, 0.9, 0.99]
+    skipped = [t for t in study.trials if "duplicate_of" in t.user_attrs]
+    assert skipped and all(t.state == optuna.trial.TrialState.PRUNED for t in skipped)
+    assert out.count("not run again") == len(skipped)
+    assert main([*args, "seed=1", "--trials", "1"]) == 0  # another base config in the same study: its values are new
+    assert len(ran) == 4 and ran[-1]["seed"] == 1
+
+
+def test_the_printed_figures_say_what_they_are(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture) -> None:
+    import launch.cli
+    from launch.search import main
+
+    monkeypatch.setattr(launch.cli, "run_job", fake_job(iter([[0.3, 0.4, 0.5, 0.6]]), []))
+    storage = f"sqlite:///{tmp_path / 's.db'}"
+    assert main([str(CONF_DIR / "search" / "fedcross_alpha.yaml"), *TINY, f"results_root={tmp_path}", "--storage", storage,
+                 "--trials", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "validation accuracy 0.5000 (the mean of rounds 2-4)" in out, out
+    assert f"optuna-dashboard {storage}" in out
+
+
+def test_the_docs_dashboard_command_opens_the_default_study_store() -> None:
+    """docs/lab.md's optuna-dashboard command names the store fedmm-search writes by default:
+    <results_root>/search/optuna.db, results_root at its default."""
+    import os
+    import re
+
+    from fedmm.config import RunSettings
+
+    text = (CONF_DIR.parent / "docs" / "lab.md").read_text()
+    (command,) = re.findall(r"^optuna-dashboard (\S+)", text, flags=re.M)
+    default = Path(os.path.expanduser(RunSettings().results_root)).resolve() / "search" / "optuna.db"
+    assert os.path.expandvars(command) == f"sqlite:///{default}", command
+
+
 # ------------------------------------------------------------------------ the figure
 def rows_of(federated: list[float | None]) -> list[dict[str, Any]]:
     """metrics.jsonl rows: round 0 (no federated evaluation), then one per value."""
@@ -213,6 +306,9 @@ def test_a_search_with_fixed_held_out_keys_is_fine() -> None:
     (["--param", "training.lr=float(0.01, 0.1)", "strategy=fedcross"], "strategy.fraction_evaluate", "a value > 0"),
     (["--sampler", "TPE"], "--sampler", "TPESampler"),
     (["--pruner", "MedianPruner", "--pruner-args", '{"n_warmup": 1}'], "--pruner-args", "keyword arguments"),
+    (["--param", "training.lr=float(0.01, 0.1)", "strategy=fedcros"], "strategy", "did you mean fedcross?"),
+    (["+strategy.lrr=0.1"], "strategy.lrr", "did you mean training.lr?"),
+    (["strategy.alpah=0.5"], "strategy.alpah", "did you mean strategy.alpha?"),
 ])
 def test_a_bad_search_is_refused_before_the_first_trial_naming_the_value(tmp_path: Path, args: list[str], key: str,
                                                                           words: str) -> None:
