@@ -17,9 +17,11 @@ bench reached its end. With ``resume`` an existing file's rows are kept and thei
 not run again; its errors are dropped (those cases run again).
 
 ``FEDMM_BENCH_FAULT`` plants faults for the tests of ``bench/gpu_session.py``: a comma-separated
-list of ``raise@N`` (the N-th case run by this process raises) and ``overrun@N`` (the N-th case
-starts a helper process and then never ends, as a step cut off by its time limit). Nothing
-imports Flower here: ``bench/gpu_throughput.py`` uses it where only PyTorch is installed.
+list of ``raise@N`` (the N-th case run by this process raises), ``overrun@N`` (the N-th case
+starts a helper process and then never ends, as a step cut off by its time limit) and ``cut@N``
+(the N-th case's work done, this process is killed before its row is kept: a step cut off at a
+known point, without waiting for a limit). Nothing imports Flower here: ``bench/gpu_throughput.py``
+uses it where only PyTorch is installed.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -52,8 +55,9 @@ def planted_faults() -> dict[int, str]:
     faults: dict[int, str] = {}
     for item in filter(None, (part.strip() for part in os.environ.get(FAULT_VARIABLE, "").split(","))):
         kind, _, ordinal = item.partition("@")
-        if kind not in ("raise", "overrun") or not ordinal.isdigit():
-            raise SystemExit(f"{FAULT_VARIABLE}={os.environ[FAULT_VARIABLE]!r}: expected raise@N or overrun@N, comma-separated")
+        if kind not in ("raise", "overrun", "cut") or not ordinal.isdigit():
+            raise SystemExit(f"{FAULT_VARIABLE}={os.environ[FAULT_VARIABLE]!r}: expected raise@N, overrun@N or cut@N, "
+                             "comma-separated")
         faults[int(ordinal)] = kind
     return faults
 
@@ -61,6 +65,8 @@ def planted_faults() -> dict[int, str]:
 def _plant(kind: str) -> None:
     if kind == "raise":
         raise RuntimeError(f"a fault planted by {FAULT_VARIABLE}")
+    if kind == "cut":
+        os.kill(os.getpid(), signal.SIGKILL)
     # overrun: a helper process of this one (as the bench's own workers are), then no end
     subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
     while True:

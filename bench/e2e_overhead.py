@@ -41,6 +41,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -652,7 +653,8 @@ def paired_ratio(row: dict[str, Any], reference: dict[str, Any], key: str = "pro
 
 
 def _run_child_once(kind: str, spec: dict[str, Any], workdir: Path, verbose: bool) -> dict[str, Any]:
-    workdir.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(workdir, ignore_errors=True)  # an earlier attempt's run there (--resume, same --workdir) is not this one
+    workdir.mkdir(parents=True)
     spec = dict(spec, workdir=str(workdir), verbose=verbose)
     (workdir / "spec.json").write_text(json.dumps(spec))
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", kind, str(workdir)]
@@ -720,7 +722,8 @@ def main() -> None:
     parser.add_argument("--out", default=None,
                         help="default: bench/results/e2e_overhead.json (default workload), e2e_overhead_<workload>.json")
     parser.add_argument("--resume", action="store_true",
-                        help="keep the strategies whose every runner is already in --out, run the others")
+                        help="keep the strategies whose every runner is already in --out, run the others (each "
+                             "measurement's folder under --workdir cleared before it runs)")
     parser.add_argument("--child", nargs=2, metavar=("KIND", "DIR"), help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -806,7 +809,9 @@ def main() -> None:
         if len(log.rows_where(strategy=strategy)) >= expected:
             print(f"{strategy}: every runner kept from the earlier run (--resume)", flush=True)
             continue
-        log.rows[:] = [row for row in log.rows if row["strategy"] != strategy]  # a partial strategy runs again
+        # a partial strategy runs again: its rows and the runs of its cut-off attempt go
+        log.rows[:] = [row for row in log.rows if row["strategy"] != strategy]
+        log.header["runs"] = [run for run in log.header["runs"] if run["strategy"] != strategy]
         case_keys = [{"strategy": strategy, "runner": kind if kind != "flower" else Path(workdir).name}
                      for kind, _, workdir in jobs]
         results = iter(run_children(jobs, args.verbose, args.repeats, log=log, cases=case_keys))

@@ -49,10 +49,14 @@ The steps, most valuable first:
    (``gpu_throughput.json``).
 
 ``--resume DIR`` (the output folder of an earlier call, carried in the working tree): its files
-are copied into ``--out``, its steps that ended ok are not run again (their planned seconds roll
-over), and a step it did not finish runs with its bench's ``--resume``: only the cases missing
-from its file (the CUDA tests: only those that did not pass or skip). ``--steps`` runs some
-steps only; ``--limit STEP=S`` changes a step's plan; ``--fault STEP=SPEC`` plants a fault
+are copied into ``--out``, its steps that ended ok are kept, not run again (their planned seconds
+roll over), and a step it did not finish (cut off, failed or skipped) runs again with its bench's
+``--resume``: the cases its file holds are kept, the others run (the CUDA tests: those that did
+not pass or skip; ``e2e``: a strategy whose runners did not all finish runs whole again). Each
+call writes its scratch (the steps' logs, the ``e2e`` runs) in a fresh folder beside ``--site``
+(``scratch`` in ``gpu_session.json``): the half-finished runs of a step cut off inside its work
+never stand where a later call writes, and an earlier call's stay as they were. ``--steps`` runs
+some steps only; ``--limit STEP=S`` changes a step's plan; ``--fault STEP=SPEC`` plants a fault
 (``bench/cases.py``; the tests). ``--quick`` shrinks every step to a smoke run (the dry run on
 the CPU, tests/test_gpu_session.py).
 """
@@ -68,6 +72,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -382,14 +387,15 @@ FILES = {"cuda_tests": "cuda_tests.json", "e2e": "e2e.json", "vectorized": "vect
          "cifar_round": "cifar_round.json", "throughput": "gpu_throughput.json"}
 
 
-def step_commands(args: argparse.Namespace, out: Path, resume: dict[str, bool]) -> dict[str, list[str]]:
-    """Each bench step's command (``resume[step]``: keep the cases an earlier call finished)."""
+def step_commands(args: argparse.Namespace, out: Path, resume: dict[str, bool], scratch: Path) -> dict[str, list[str]]:
+    """Each bench step's command (``resume[step]``: keep the cases an earlier call finished;
+    ``scratch``: this call's folder, :func:`call_folder`)."""
     py = sys.executable
     again = lambda step: ["--resume"] if resume.get(step) else []  # noqa: E731
     cuda_tests = [py, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider", "-p", "pytest_cases", "tests/test_cuda.py"]
     e2e = [py, "bench/e2e_overhead.py", "--workload", "papers", "--runners", "plain", "local", "vectorized", "--rounds",
            str(args.rounds), "--strategies", *args.strategies, "--override", f"training.device={args.device}", "--workdir",
-           str(Path(args.site).parent / "e2e-runs"), "--out", str(out / FILES["e2e"]), *again("e2e")]
+           str(scratch / "e2e-runs"), "--out", str(out / FILES["e2e"]), *again("e2e")]
     if args.quick:
         e2e += ["--clients-per-round", "2", "--local-epochs", "1"]  # the papers' 100 clients (40 images each), 2 per round
     vectorized = [py, "bench/vectorized_throughput.py", "--device", args.device, "--out", str(out / FILES["vectorized"]),
@@ -420,6 +426,13 @@ def earlier_call(resume: Path, out: Path) -> dict[str, Any]:
     return earlier
 
 
+def call_folder(site: Path) -> Path:
+    """A fresh folder beside ``site`` for this call's scratch (its steps' logs, the e2e runs): a
+    step cut off inside its work leaves its half-finished runs in its own call's folder only."""
+    site.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=time.strftime("call-%Y%m%d-%H%M%S-"), dir=site.parent))
+
+
 def run(args: argparse.Namespace) -> int:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -444,11 +457,12 @@ def run(args: argparse.Namespace) -> int:
     done_before = {s["step"]: s for s in (earlier or {}).get("steps", []) if s.get("status") in ("ok", "done earlier")}
     site = install_wheels(Path(args.site))
     env = child_env(site)
+    scratch = call_folder(Path(args.site))
     record: dict[str, Any] = {"argv": sys.argv[1:], "wheels_installed": site is not None, "plan_s": limits,
-                              "budget_s": args.budget_s}
+                              "budget_s": args.budget_s, "scratch": str(scratch)}
     if earlier is not None:
         record["earlier_calls"] = earlier.get("earlier_calls", []) + [{k: v for k, v in earlier.items() if k != "earlier_calls"}]
-    session = Session(out, args.budget_s - (time.monotonic() - started), env, record, Path(args.site).parent / "logs")
+    session = Session(out, args.budget_s - (time.monotonic() - started), env, record, scratch / "logs")
     session.save()
     machine = session.step("machine", [sys.executable, "-c", MACHINE_SCRIPT], limits["machine"])
     facts = [line[len("MACHINE "):] for line in machine.get("stdout_tail", "").splitlines() if line.startswith("MACHINE ")]
@@ -457,7 +471,7 @@ def run(args: argparse.Namespace) -> int:
     if machine["status"] != "ok":
         return 1
     resume = {name: earlier is not None and name not in done_before for name in FILES}
-    commands = step_commands(args, out, resume)
+    commands = step_commands(args, out, resume, scratch)
     for name in FILES:
         if name not in chosen:
             continue
@@ -509,7 +523,8 @@ def main(argv: list[str] | None = None) -> int:
                        help="a step's planned seconds in place of the plan's")
     there.add_argument("--fault", action="append", default=[], metavar="STEP=SPEC",
                        help=f"plant a fault in a step (tests): {FAULT_VARIABLE}=SPEC for that step, e.g. vectorized=raise@1")
-    there.add_argument("--site", default="/tmp/fedmm-gpu/site", help="where the wheels are installed (logs and e2e runs beside it)")
+    there.add_argument("--site", default="/tmp/fedmm-gpu/site",
+                       help="where the wheels are installed (each call's logs and e2e runs in a fresh folder beside it)")
     args = parser.parse_args(argv)
     if args.command == "wheels":
         plan = wheel_plan()

@@ -1,9 +1,10 @@
 """bench/gpu_session.py, the prepared call for a lent GPU machine: the wheels it carries are the
 app's requirements the machine lacks (never Ray); its dry run on the CPU runs every step and writes
 every result file (bench/e2e_overhead.py's plain loop and in-process runner among them, whose
-whole-process phases add up), also in two calls, the second resuming the first; a step cut off at
-its limit keeps the cases it finished and leaves no process behind; a case that raises is recorded
-and the next one runs; unused time rolls over to the next step."""
+whole-process phases add up), also in two calls, the second resuming the first (the first also cut
+off inside its e2e step, the second on the same site); a step cut off at its limit keeps the cases
+it finished and leaves no process behind; a case that raises is recorded and the next one runs;
+unused time rolls over to the next step."""
 
 from __future__ import annotations
 
@@ -95,6 +96,37 @@ def test_the_dry_run_cut_off_after_its_second_step_is_completed_by_resume(tmp_pa
         assert row["phases_median"]["rounds_2_to_last"] > 0 and "ray_init" not in row["phases_median"]
     throughput = json.loads((out / "gpu_throughput.json").read_text())
     assert throughput["device"] == "cpu" and throughput["models"]["cnn"]["rows"][0]["clients"] == 1
+
+
+def test_the_dry_run_cut_off_inside_its_e2e_step_resumes_on_the_same_site(tmp_path: Path) -> None:
+    """The first call is cut off inside the e2e step, its plain loop and in-process run done, the
+    vectorized run never started (``cut@2``: the bench killed at a known point, as its limit
+    would); the second, ``--resume`` of the first on the same site, keeps the CUDA tests and runs
+    the papers' shape again in a folder of its own: every case ends ok, the cut-off attempt's runs
+    are neither in the way nor in its file, and the first call's scratch stays as it was."""
+    done, first = dry_run(tmp_path, "first", "--steps", "cuda_tests", "e2e", "--fault", "e2e=cut@2")
+    assert done.returncode == 1
+    assert [(s["step"], s["status"]) for s in first["steps"]] == [("machine", "ok"), ("cuda_tests", "ok"), ("e2e", "failed")]
+    assert first["steps"][2]["exit"] == -9 and first["steps"][2]["left_running"] == []
+    cut = json.loads((tmp_path / "first" / "e2e.json").read_text())
+    assert [r["runner"] for r in cut["runs"]] == ["plain"] and cut["rows"] == [] and not cut["finished"]
+    first_scratch = Path(first["scratch"])  # the in-process run, done but not logged: what stood in the way
+    assert (first_scratch / "e2e-runs" / "fedmr" / "local" / "run" / "metrics.jsonl").is_file()
+    first_logs = {f.name: f.read_bytes() for f in (first_scratch / "logs").iterdir()}
+
+    done, record = dry_run(tmp_path, "second", "--steps", "cuda_tests", "e2e", "--resume", str(tmp_path / "first"))
+    out = tmp_path / "second"
+    assert done.returncode == 0, json.dumps(record["steps"], indent=1)[-4000:] + done.stderr[-2000:]
+    assert [(s["step"], s["status"]) for s in record["steps"]] == [("machine", "ok"), ("cuda_tests", "done earlier"),
+                                                                     ("e2e", "ok")]
+    assert (out / "cuda_tests.json").read_bytes() == (tmp_path / "first" / "cuda_tests.json").read_bytes()
+    e2e = json.loads((out / "e2e.json").read_text())
+    assert e2e["errors"] == [] and e2e["finished"] and e2e["rows_from_earlier_run"] == 0
+    assert sorted(r["runner"] for r in e2e["runs"]) == ["local", "plain", "vectorized"]  # none of the cut attempt's
+    assert {r["runner"] for r in e2e["rows"]} == {"this app, in-process", "this app, in-process, vectorized", "plain loop"}
+    assert Path(record["scratch"]).parent == first_scratch.parent and Path(record["scratch"]) != first_scratch
+    assert all(Path(r["final_model"]).is_relative_to(record["scratch"]) for r in e2e["rows"])
+    assert {f.name: f.read_bytes() for f in (first_scratch / "logs").iterdir()} == first_logs
 
 
 def live_processes_of_group(group: int) -> list[str]:
