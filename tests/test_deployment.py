@@ -23,7 +23,6 @@ The first tests check the node-data loader on its own (no Flower processes).
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import json
 import os
 import re
@@ -508,8 +507,10 @@ def test_pin_images_writes_digest_references_that_compose_and_the_dockerfile_use
                     'if [ -n "$BAD_DIGEST" ]; then echo "$BAD_DIGEST"; exit 0; fi\n'
                     'printf "sha256:%s\\n" "$(printf %s "$4" | sha256sum | cut -c1-64)"\n')
     fake.chmod(0o755)
-    # the images must be the Flower release the app runs on: the tags follow the installed flwr
-    version = importlib.metadata.version("flwr")
+    # the images must be the Flower release the app's set-up pins (constraints.txt, what CI installs
+    # and the numbers were made with), not whatever flwr runs the test: .ci/flower_compat.py runs
+    # it under other Flower versions, and a nightly installs as another distribution (flwr-nightly)
+    version = re.search(r"^flwr==(\S+)$", (root / "constraints.txt").read_text(), re.MULTILINE).group(1)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
     env.pop("FLWR_VERSION", None)
     env.pop("BAD_DIGEST", None)
