@@ -543,3 +543,40 @@ def test_pin_images_writes_digest_references_that_compose_and_the_dockerfile_use
                 assert image.startswith("flwr/super") and suffix in image, (name, image)
     dockerfile = (root / "Dockerfile").read_text()
     assert "FROM ${SUPEREXEC_IMAGE}" in dockerfile and f"ARG SUPEREXEC_IMAGE=flwr/superexec:{version}" in dockerfile
+
+
+def test_the_app_image_installs_the_apps_dependencies_beside_the_images_own_flower(tmp_path: Path) -> None:
+    """The Dockerfile's install step, run here with a stand-in ``pip``: pyproject's flwr requirement is
+    dropped (the base image holds flwr: a second requirement pulled Ray in, and with a pin below the
+    image's Flower it would move the image's flwr), Flower's [dp] extra is asked for at the image's
+    own flwr version, and constraints.txt's flwr pin is left out; every other dependency stays."""
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    lines = (root / "Dockerfile").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("RUN sed"))  # the install step
+    step = ""
+    for line in lines[start:]:
+        step += line.rstrip().removesuffix("\\") + " "
+        if not line.rstrip().endswith("\\"):
+            break
+    for name in ("pyproject.toml", "constraints.txt"):
+        shutil.copy(root / name, tmp_path / name)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    shim = bin_dir / "python"  # the image's python: pip only records what it is asked to install
+    shim.write_text(f'#!/bin/sh\nif [ "$1 $2" = "-m pip" ]; then shift 2; echo "$@" > pip-args.txt; exit 0; fi\n'
+                    f'exec {sys.executable} "$@"\n')
+    shim.chmod(0o755)
+    done = subprocess.run(["sh", "-c", step.removeprefix("RUN ")], cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    assert done.returncode == 0, done.stderr
+    import flwr
+
+    requirements = (tmp_path / "requirements.txt").read_text().split()
+    wanted = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert requirements == [d for d in wanted if not d.startswith("flwr[")] + [f"flwr[dp]=={flwr.__version__}"]
+    assert "flwr-datasets>=0.6" in requirements  # a name that starts with flwr stays
+    constraints = (tmp_path / "constraints-image.txt").read_text().splitlines()
+    assert constraints == [c for c in (root / "constraints.txt").read_text().splitlines() if not c.startswith("flwr==")]
+    assert (tmp_path / "pip-args.txt").read_text().split()[-4:] == ["-c", "constraints-image.txt", "-r", "requirements.txt"]
