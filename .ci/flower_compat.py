@@ -4,6 +4,7 @@
     python3 .ci/flower_compat.py --flower nightly         # the newest flwr-nightly the index holds
     python3 .ci/flower_compat.py --flower latest          # the newest flwr release
     python3 .ci/flower_compat.py --flower flwr==1.42.0 --tests tests/test_dropin.py
+    python3 .ci/flower_compat.py --python .venv/bin/python   # the same tests in an existing venv, as it is
 
 Makes (or reuses) a venv of its own for that Flower: the checkout installed as CI installs it
 (``pip install -c constraints.txt -e ".[dev]"``, which brings the pinned ``flwr``), then ``flwr``
@@ -210,8 +211,11 @@ def table(results: list[FileResult]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--flower", required=True,
-                        help="nightly, latest, flwr==<version> or flwr-nightly==<version> (its [simulation,dp] extras are added)")
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--flower", help="nightly, latest, flwr==<version> or flwr-nightly==<version> (its [simulation,dp] "
+                                        "extras are added)")
+    which.add_argument("--python", type=Path, help="run the tests with this environment's Python as it is (nothing "
+                                                   "installed), e.g. .venv/bin/python for the pinned Flower")
     parser.add_argument("--venv", type=Path, help="the venv to make or reuse (default ~/.cache/fedmm/flower-compat/<dist>-<version>)")
     parser.add_argument("--tests", nargs="+", default=FLOWER_TESTS, help="test files (default: the Flower-facing ones)")
     parser.add_argument("--reinstall", action="store_true", help="make the venv anew even when its stamp matches")
@@ -219,11 +223,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="also write the results as JSON here")
     args = parser.parse_args(argv)
 
-    distribution, version = resolve_spec(args.flower)
-    venv = args.venv or Path.home() / ".cache" / "fedmm" / "flower-compat" / f"{distribution}-{version}"
-    python = make_venv(venv.resolve(), distribution, version, args.reinstall)
-    flower = installed_flower(python)
-    print(f"flower_compat: {distribution}=={version} in {venv} (flwr imported from {flower['path']})", flush=True)
+    if args.python:
+        python = args.python.absolute()  # a venv's python is a link: keep its bin folder
+        flower = installed_flower(python)
+        distribution, version = flower["distribution"], flower["version"]
+    else:
+        distribution, version = resolve_spec(args.flower)
+        venv = args.venv or Path.home() / ".cache" / "fedmm" / "flower-compat" / f"{distribution}-{version}"
+        python = make_venv(venv.absolute(), distribution, version, args.reinstall)
+        flower = installed_flower(python)
+    print(f"flower_compat: {distribution}=={version} with {python} (flwr imported from {flower['path']})", flush=True)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for test in args.tests:
