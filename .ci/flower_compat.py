@@ -233,11 +233,11 @@ def main(argv: list[str] | None = None) -> int:
         python = make_venv(venv.absolute(), distribution, version, args.reinstall)
         flower = installed_flower(python)
     print(f"flower_compat: {distribution}=={version} with {python} (flwr imported from {flower['path']})", flush=True)
+    head = f"Flower {distribution}=={version}, fedmm at {git_head()}, Python {python_version(python)}"
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for test in args.tests:
             results.append(run_file(python, test, Path(tmp), args.timeout))
-    head = f"Flower {distribution}=={version}, fedmm at {git_head()}, Python {python_version(python)}"
     print(f"\n{head}\n\n{table(results)}\n")
     for r in results:
         for failure in r.failures:
@@ -249,11 +249,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def git_head() -> str:
+    """The checkout's commit when the tests start, and whether files differ from it."""
     try:
-        return subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
+        git = ["git", "-C", str(REPO)]
+        head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
+                               check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+    return f"{head} with uncommitted changes" if dirty else head
 
 
 def python_version(python: Path) -> str:
