@@ -116,12 +116,14 @@ def fingerprint(distribution: str, version: str) -> str:
 
 
 def installed_flower(python: Path) -> dict[str, str]:
-    """What the venv imports as ``flwr``: the distribution that provides it, its version, its path."""
+    """What the venv imports as ``flwr``: the distribution that provides it, its version, its path,
+    and the files its record lists that are not there."""
     code = ("import importlib.metadata as m, json, flwr\n"
             "names = {d.metadata['Name'].lower() for d in m.distributions()}\n"
             "dists = [n for n in ('flwr', 'flwr-nightly') if n in names]\n"
+            "missing = [str(f) for n in dists for f in m.files(n) or [] if not f.locate().exists()]\n"
             "print(json.dumps({'distribution': ','.join(dists), 'version': ','.join(m.version(n) for n in dists),"
-            " 'path': flwr.__path__[0]}))")
+            " 'path': flwr.__path__[0], 'missing': missing}))")
     out = subprocess.run([str(python), "-c", code], capture_output=True, text=True, check=True, cwd=tempfile.gettempdir())
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -142,14 +144,18 @@ def make_venv(venv: Path, distribution: str, version: str, reinstall: bool) -> P
     # (an existing venv without a matching stamp, e.g. an install cut short, is installed over)
     pip = [str(python), "-m", "pip"]
     run([*pip, "install", "--quiet", "--upgrade", "pip"])
+    # flwr and flwr-nightly install the same files: uninstalling one deletes the other's, which
+    # then counts as installed without them. Neither may be there when the pinned flwr comes in.
+    run([*pip, "uninstall", "--yes", "flwr", "flwr-nightly"])
     run([*pip, "install", "--quiet", "-c", str(REPO / "constraints.txt"), "-e", f"{REPO}[dev]"])
     with tempfile.TemporaryDirectory() as tmp:
         constraints = constraints_without_flwr(Path(tmp))
         run([*pip, "uninstall", "--yes", "flwr"])
         run([*pip, "install", "--quiet", "--pre", "-c", str(constraints), f"{distribution}{EXTRAS}=={version}"])
     found = installed_flower(python)
-    if found["distribution"] != distribution or found["version"] != version:
-        raise SystemExit(f"flower_compat: the venv imports flwr from {found}, not {distribution}=={version}")
+    if found["distribution"] != distribution or found["version"] != version or found["missing"]:
+        raise SystemExit(f"flower_compat: the venv imports flwr from {found['distribution']}=={found['version']} "
+                         f"({len(found['missing'])} of its files missing), not {distribution}=={version}")
     stamp.write_text(json.dumps({"fingerprint": want, "distribution": distribution, "version": version}))
     return python
 
@@ -227,6 +233,9 @@ def main(argv: list[str] | None = None) -> int:
         python = args.python.absolute()  # a venv's python is a link: keep its bin folder
         flower = installed_flower(python)
         distribution, version = flower["distribution"], flower["version"]
+        if flower["missing"]:
+            raise SystemExit(f"flower_compat: {python} has {distribution}=={version} with {len(flower['missing'])} of its "
+                             "files missing (flwr and flwr-nightly share them): install it again")
     else:
         distribution, version = resolve_spec(args.flower)
         venv = args.venv or Path.home() / ".cache" / "fedmm" / "flower-compat" / f"{distribution}-{version}"
