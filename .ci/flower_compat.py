@@ -128,12 +128,22 @@ def installed_flower(python: Path) -> dict[str, str]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def intact(python: Path, distribution: str, version: str) -> bool:
+    """The venv imports ``flwr`` from that distribution and version, with every file of its record."""
+    try:
+        found = installed_flower(python)
+    except subprocess.CalledProcessError:
+        return False
+    return (found["distribution"], found["version"], found["missing"]) == (distribution, version, [])
+
+
 def make_venv(venv: Path, distribution: str, version: str, reinstall: bool) -> Path:
     """The venv with this checkout and the Flower asked for; reused when its stamp matches."""
     python = venv / "bin" / "python"
     stamp = venv / STAMP
     want = fingerprint(distribution, version)
-    if not reinstall and python.exists() and stamp.exists() and json.loads(stamp.read_text()).get("fingerprint") == want:
+    if not reinstall and python.exists() and stamp.exists() and json.loads(stamp.read_text()).get("fingerprint") == want \
+            and intact(python, distribution, version):
         print(f"flower_compat: reusing {venv} ({distribution}=={version})", flush=True)
         run([str(python), "-m", "pip", "install", "--quiet", "--no-deps", "-e", str(REPO)])  # this checkout
         return python
