@@ -15,13 +15,18 @@ FROM ${SUPEREXEC_IMAGE}
 WORKDIR /app
 
 # Dependencies only (see .dockerignore: pyproject.toml is the whole build context). As in the
-# Flower Docker docs, drop the `flwr[simulation]` requirement: the base image provides flwr,
-# and the Deployment Runtime needs no Ray. constraints.txt: the versions behind the published numbers.
+# Flower Docker docs, drop pyproject's `flwr[...]` requirement: the base image provides flwr (the
+# Deployment Runtime needs no Ray, and a second flwr requirement could move the image's own), and
+# add the `[dp]` extra (the privacy accountant's dp-accounting) at the image's own flwr version.
+# constraints.txt: the versions behind the published numbers, less its flwr pin (the image's
+# FLWR_VERSION decides, e.g. 1.43.0 with FLWR_VERSION=1.43.0).
 COPY --chown=app:app pyproject.toml constraints.txt ./
-RUN sed -i 's/.*flwr\[simulation\].*//' pyproject.toml \
+RUN sed -i '/^ *"flwr\[/d' pyproject.toml \
+    && grep -v '^flwr==' constraints.txt > constraints-image.txt \
     && python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
         > requirements.txt \
-    && python -m pip install -U --no-cache-dir -c constraints.txt -r requirements.txt
+    && echo "flwr[dp]==$(python -c 'import flwr; print(flwr.__version__)')" >> requirements.txt \
+    && python -m pip install -U --no-cache-dir -c constraints-image.txt -r requirements.txt
 
 # The run results of a ServerApp (results_root in conf/config.yaml) land here: mount a volume.
 RUN mkdir -p /app/fedmm-results

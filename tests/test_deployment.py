@@ -23,7 +23,6 @@ The first tests check the node-data loader on its own (no Flower processes).
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import json
 import os
 import re
@@ -508,8 +507,10 @@ def test_pin_images_writes_digest_references_that_compose_and_the_dockerfile_use
                     'if [ -n "$BAD_DIGEST" ]; then echo "$BAD_DIGEST"; exit 0; fi\n'
                     'printf "sha256:%s\\n" "$(printf %s "$4" | sha256sum | cut -c1-64)"\n')
     fake.chmod(0o755)
-    # the images must be the Flower release the app runs on: the tags follow the installed flwr
-    version = importlib.metadata.version("flwr")
+    # the images must be the Flower release the app's set-up pins (constraints.txt, what CI installs
+    # and the numbers were made with), not whatever flwr runs the test: .ci/flower_compat.py runs
+    # it under other Flower versions, and a nightly installs as another distribution (flwr-nightly)
+    version = re.search(r"^flwr==(\S+)$", (root / "constraints.txt").read_text(), re.MULTILINE).group(1)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
     env.pop("FLWR_VERSION", None)
     env.pop("BAD_DIGEST", None)
@@ -542,3 +543,40 @@ def test_pin_images_writes_digest_references_that_compose_and_the_dockerfile_use
                 assert image.startswith("flwr/super") and suffix in image, (name, image)
     dockerfile = (root / "Dockerfile").read_text()
     assert "FROM ${SUPEREXEC_IMAGE}" in dockerfile and f"ARG SUPEREXEC_IMAGE=flwr/superexec:{version}" in dockerfile
+
+
+def test_the_app_image_installs_the_apps_dependencies_beside_the_images_own_flower(tmp_path: Path) -> None:
+    """The Dockerfile's install step, run here with a stand-in ``pip``: pyproject's flwr requirement is
+    dropped (the base image holds flwr: a second requirement pulled Ray in, and with a pin below the
+    image's Flower it would move the image's flwr), Flower's [dp] extra is asked for at the image's
+    own flwr version, and constraints.txt's flwr pin is left out; every other dependency stays."""
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    lines = (root / "Dockerfile").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("RUN sed"))  # the install step
+    step = ""
+    for line in lines[start:]:
+        step += line.rstrip().removesuffix("\\") + " "
+        if not line.rstrip().endswith("\\"):
+            break
+    for name in ("pyproject.toml", "constraints.txt"):
+        shutil.copy(root / name, tmp_path / name)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    shim = bin_dir / "python"  # the image's python: pip only records what it is asked to install
+    shim.write_text(f'#!/bin/sh\nif [ "$1 $2" = "-m pip" ]; then shift 2; echo "$@" > pip-args.txt; exit 0; fi\n'
+                    f'exec {sys.executable} "$@"\n')
+    shim.chmod(0o755)
+    done = subprocess.run(["sh", "-c", step.removeprefix("RUN ")], cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    assert done.returncode == 0, done.stderr
+    import flwr
+
+    requirements = (tmp_path / "requirements.txt").read_text().split()
+    wanted = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert requirements == [d for d in wanted if not d.startswith("flwr[")] + [f"flwr[dp]=={flwr.__version__}"]
+    assert "flwr-datasets>=0.6" in requirements  # a name that starts with flwr stays
+    constraints = (tmp_path / "constraints-image.txt").read_text().splitlines()
+    assert constraints == [c for c in (root / "constraints.txt").read_text().splitlines() if not c.startswith("flwr==")]
+    assert (tmp_path / "pip-args.txt").read_text().split()[-4:] == ["-c", "constraints-image.txt", "-r", "requirements.txt"]

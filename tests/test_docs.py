@@ -1,4 +1,4 @@
-"""The docs a user copies from: every command in README.md, docs/ and bench/README.md is checked
+"""The docs a user copies from: every command in README.md, CHANGELOG.md, docs/ and bench/README.md is checked
 (a ``fedmm`` command composed and validated exactly as ``fedmm`` would, without training; a search
 space loaded and every value checked; a ``flwr run`` config composed as the ServerApp would; a
 module, script, file or flag named in a command present), and every link and anchor resolves."""
@@ -16,7 +16,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 #: The pages whose commands and links are checked (docs/settings.md is generated, its links too).
-PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "bench" / "README.md"]
+PAGES = [REPO / "README.md", REPO / "CHANGELOG.md", *sorted((REPO / "docs").glob("*.md")), REPO / "bench" / "README.md"]
 #: A placeholder a reader fills in (``<run dir>``, ``<head-ip>``): the argument is not checked.
 PLACEHOLDER = re.compile(r"<[^<>]+>|\.\.\.")
 FENCE = re.compile(r"^\s*```(\w*)\s*$")

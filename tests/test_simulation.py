@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -42,6 +43,18 @@ def processes_mentioning(text: str) -> list[int]:
     return pids
 
 
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct ports free on the loopback now (each held until all are chosen)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
 def stop_pids(pids: list[int]) -> None:
     for pid in pids:
         try:
@@ -63,6 +76,7 @@ def test_flwr_run_simulation_writes_metrics(tmp_path: Path) -> None:
     """``flwr run . -c "strategy='feddyn' ..."``: the method added last, as a user runs it."""
     flwr_home = tmp_path / "flwr-home"
     out = tmp_path / "run"
+    http_port, control_port = free_ports(2)
     env = dict(
         os.environ,
         FLWR_HOME=str(flwr_home),
@@ -70,6 +84,12 @@ def test_flwr_run_simulation_writes_metrics(tmp_path: Path) -> None:
         FLWR_TELEMETRY_ENABLED="0",
         PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
         RAY_worker_niceness="0",  # the Ray Flower starts: ClientApps not starved by other work (docs/usage.md)
+        # A local SuperLink of this test's own: `flwr run` joins whatever SuperLink listens on the
+        # local ports, and the users' ports (fedmm.superlink) are one pair per uid, so two suites run
+        # by one user (root on a shared machine, CI beside a developer) joined one SuperLink, and the
+        # first to finish stopped it under the other: "Connection to the SuperLink is unavailable".
+        FLWR_LOCAL_SUPERLINK_HTTP_API_PORT=str(http_port),
+        FLWR_LOCAL_CONTROL_API_PORT=str(control_port),
     )
     cmd = [
         str(BIN / "flwr"), "run", str(REPO), "--stream",
