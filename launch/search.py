@@ -261,20 +261,7 @@ def run_search(argv: Sequence[str] | None = None) -> Any:
     from launch.cli import JobFailed, check_names, run_job
     from launch.objective import record_validation
 
-    parser = argparse.ArgumentParser(prog="fedmm-search", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("space", nargs="?", type=Path, default=None, help="a search space file (yaml: overrides, params)")
-    parser.add_argument("overrides", nargs="*", help="hydra overrides of the base config (after the space file's)")
-    parser.add_argument("--param", action="append", default=[], help="key=float(low, high[, log]) | int(...) | choice(...)")
-    parser.add_argument("--trials", type=int, default=10, help="trials to add to the study (default 10)")
-    parser.add_argument("--study", default=None, help="the study's name (default: the space file's name, else 'fedmm')")
-    parser.add_argument("--storage", default=None, help="Optuna storage URL (default: sqlite:///<results_root>/search/optuna.db)")
-    parser.add_argument("--sampler", default="TPESampler")
-    parser.add_argument("--sampler-args", default=None, help="JSON keyword arguments of the sampler")
-    parser.add_argument("--pruner", default="MedianPruner")
-    parser.add_argument("--pruner-args", default=None, help="JSON keyword arguments of the pruner")
-    parser.add_argument("--timeout", type=float, default=None, help="seconds after which no new trial starts")
-    args = parser.parse_intermixed_args(argv)
+    args = build_parser().parse_intermixed_args(argv)
     if args.space is not None and "=" in str(args.space):  # no space file: the first override was taken for one
         args.overrides, args.space = [str(args.space), *args.overrides], None
     base, space = load_space(args.space, args.param)
@@ -335,6 +322,24 @@ def run_search(argv: Sequence[str] | None = None) -> Any:
               f"none is left to run (a finite space runs each once on the same base config; another --study starts afresh)",
               flush=True)
     return study
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """``fedmm-search``'s command line (its options are public API: docs/api.md)."""
+    parser = argparse.ArgumentParser(prog="fedmm-search", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("space", nargs="?", type=Path, default=None, help="a search space file (yaml: overrides, params)")
+    parser.add_argument("overrides", nargs="*", help="hydra overrides of the base config (after the space file's)")
+    parser.add_argument("--param", action="append", default=[], help="key=float(low, high[, log]) | int(...) | choice(...)")
+    parser.add_argument("--trials", type=int, default=10, help="trials to add to the study (default 10)")
+    parser.add_argument("--study", default=None, help="the study's name (default: the space file's name, else 'fedmm')")
+    parser.add_argument("--storage", default=None, help="Optuna storage URL (default: sqlite:///<results_root>/search/optuna.db)")
+    parser.add_argument("--sampler", default="TPESampler")
+    parser.add_argument("--sampler-args", default=None, help="JSON keyword arguments of the sampler")
+    parser.add_argument("--pruner", default="MedianPruner")
+    parser.add_argument("--pruner-args", default=None, help="JSON keyword arguments of the pruner")
+    parser.add_argument("--timeout", type=float, default=None, help="seconds after which no new trial starts")
+    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

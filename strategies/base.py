@@ -162,12 +162,14 @@ class FedmmStrategy(Strategy):
     def start(  # noqa: PLR0913 - Flower's signature plus resume
         self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
         train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
-        evaluate_fn: EvaluateFn | None = None, *, start_round: int = 1, round_end: Any = None,
+        evaluate_fn: EvaluateFn | None = None, should_stop: Any = None, *, start_round: int = 1, round_end: Any = None,
         max_failed_rounds: int | None = None, final_report: bool = True, return_models: bool = True,
     ) -> MultiModelResult:
         """Run rounds ``start_round`` .. ``num_rounds`` (:meth:`strategies.context.RunContext.start`);
         logs as Flower's strategies do. With ``start_round > 1`` it goes on from the state
-        ``context.load_state_dict`` restored."""
+        ``context.load_state_dict`` restored. ``should_stop(round, result)`` (Flower 1.43's, taken
+        on every Flower): True after a round ends the run there, as the run's own stop."""
         return self.context.start(grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config, evaluate_fn,
-                                  start_round=start_round, round_end=round_end, max_failed_rounds=max_failed_rounds,
-                                  final_report=final_report, return_models=return_models)
+                                  should_stop, start_round=start_round, round_end=round_end,
+                                  max_failed_rounds=max_failed_rounds, final_report=final_report,
+                                  return_models=return_models)

@@ -82,6 +82,8 @@ class RunContext:
         self.driver = driver_for(type(method), settings)(self)
         #: Federated evaluation, the central evaluation of each round, the train metrics.
         self.evaluation = FederatedEvaluation(self)
+        #: Why ``start`` ended before its last round at the caller's ``should_stop`` ("" when it did not).
+        self.stopped = ""
 
     # ================================================================== what the drivers ask
     def participants(self, node_ids: list[int]) -> Participants:
@@ -138,14 +140,16 @@ class RunContext:
     def start(  # noqa: PLR0913 - Flower's signature plus resume
         self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
         train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
-        evaluate_fn: EvaluateFn | None = None, *, start_round: int = 1, round_end: RoundEnd | None = None,
-        max_failed_rounds: int | None = None, final_report: bool = True, return_models: bool = True,
+        evaluate_fn: EvaluateFn | None = None, should_stop: Any = None, *, start_round: int = 1,
+        round_end: RoundEnd | None = None, max_failed_rounds: int | None = None, final_report: bool = True,
+        return_models: bool = True,
     ) -> MultiModelResult:
         """Run rounds ``start_round`` .. ``num_rounds``; logs as Flower's strategies do. With
         ``start_round > 1`` it goes on from its state (:meth:`load_state_dict`; ``initial_arrays``
         ignored). ``max_failed_rounds`` rounds in a row with no accepted reply raise :class:`RunFailed`.
         ``final_report``: log the whole :class:`Result`; ``return_models``: a copy of the server's
-        models in :attr:`MultiModelResult.models`."""
+        models in :attr:`MultiModelResult.models`. ``should_stop(round, result)`` (Flower 1.43's
+        callback): True after a round ends the run there (:attr:`stopped`, Flower's log line)."""
         method = self.method
         log_start(type(method).__name__, num_rounds, start_round, initial_arrays, train_config, evaluate_config)
         method.summary()
@@ -182,6 +186,10 @@ class RunContext:
             if round_end:
                 round_end(current_round, arrays, result)
             self.observers.on_round_end(current_round)
+            if should_stop is not None and should_stop(current_round, result):
+                log(INFO, "Stopping early after round %s", current_round)  # Flower's own line
+                self.stopped = f"should_stop returned True after round {current_round}"
+                break
         if return_models:
             result.models = [protocol.model_to_record(m) for m in method.models or []]
         log_end(result, t_start, final_report)

@@ -265,11 +265,14 @@ def test_the_first_checkpoint_after_a_fallback_replaces_the_unreadable_one(tmp_p
     (tmp_path / CHECKPOINT_FILE).write_bytes(b"PK\x03\x04 cut")
     state = load_checkpoint(tmp_path)
 
-    class Strategy:
-        last_evaluate_metrics = None
+    class Context:
+        evaluation = type("Evaluation", (), {"last_evaluate_metrics": None})()
 
         def state_dict(self) -> dict:
             return {}
+
+    class Strategy:
+        context = Context()
 
     recorder = type("Recorder", (), {"history": [], "federated": {}})()
     grid = type("Grid", (), {"bytes_sent": 0, "bytes_received": 0})()

@@ -194,3 +194,38 @@ def test_flowers_record_keys_and_aggregation_functions_are_settable() -> None:
     assert plain.context.last_round.replies == 0 and all("no num-examples" in r for r in plain.context.last_round.rejections)
     with pytest.raises(ValueError, match="weighted_by_key"):
         FedMR(clients_per_round=2, seed=0, weighted_by_key="")
+
+
+def test_flowers_should_stop_ends_the_run_after_the_round_it_says_so() -> None:
+    """Flower 1.43's ``Strategy.start(..., evaluate_fn, should_stop)``: taken in Flower's place
+    (positionally after ``evaluate_fn``) on every Flower; after the round it returns True the run
+    ends there with the result so far, and the strategy says why."""
+    import inspect
+
+    import numpy as np
+    from flwr.app import MetricRecord, RecordDict
+    from flwr.serverapp.strategy import Strategy
+
+    from fedmm import protocol
+    from strategies import FedCross, FedMR
+    from tests.fakes import FakeGrid
+
+    ours = list(inspect.signature(FedMR.start).parameters)
+    assert ours[ours.index("evaluate_fn") + 1] == "should_stop"
+    if "should_stop" in inspect.signature(Strategy.start).parameters:  # Flower 1.43+: the same place
+        theirs = list(inspect.signature(Strategy.start).parameters)
+        assert theirs.index("should_stop") == ours.index("should_stop")
+
+    def node(msg, key):  # noqa: ANN001, ANN202
+        model = protocol.record_to_model(msg.content["arrays"], copy=True)
+        return RecordDict({"arrays": protocol.model_to_record({"w": model["w"] + 1}),
+                           "metrics": MetricRecord({protocol.NUM_EXAMPLES: 1.0})})
+
+    for cls in (FedMR, FedCross):
+        asked: list[int] = []
+        strategy = cls(2, seed=0)
+        result = strategy.start(FakeGrid(node, num_nodes=2), protocol.model_to_record({"w": np.zeros(2, np.float32)}), 5,
+                                60, None, None, lambda r, a: MetricRecord({"accuracy": 0.1 * r}),
+                                lambda r, res: asked.append(r) or r == 2, final_report=False)
+        assert asked == [1, 2] and sorted(result.evaluate_metrics_serverapp) == [0, 1, 2]
+        assert strategy.context.stopped == "should_stop returned True after round 2"

@@ -48,23 +48,39 @@ def dry_run(tmp_path: Path, out: str, *extra: str, timeout: int = 500) -> tuple[
     return done, record
 
 
-def test_the_dry_run_cut_off_after_its_second_step_is_completed_by_resume(tmp_path: Path) -> None:
+def test_the_dry_run_cut_off_inside_a_step_is_completed_by_resume_on_the_same_site(tmp_path: Path) -> None:
     """The dry run on the CPU in two calls, as a GPU session would make them when the first is cut
-    off: the first runs the CUDA tests and the papers' shape only; the second, ``--resume`` of the
-    first, keeps them (not run again, their files carried over) and runs every other step. Every
+    off: the first runs the CUDA tests and the papers' shape only, and is cut off inside the
+    latter, its plain loop and in-process run done, the vectorized run never started (``cut@2``:
+    the bench killed at a known point, as its limit would). The second, ``--resume`` of the first
+    on the same site, keeps the CUDA tests (not run again, their file carried over), runs the
+    papers' shape again in a scratch folder of its own (the cut-off attempt's runs are neither in
+    the way nor in its file; the first call's scratch stays as it was) and every other step. Every
     step's result is then in the second folder, within what comes back from the GPU machine."""
-    done, first = dry_run(tmp_path, "first", "--steps", "cuda_tests", "e2e")
-    assert done.returncode == 0, json.dumps(first["steps"], indent=1)[-4000:] + done.stderr[-2000:]
-    assert [(s["step"], s["status"]) for s in first["steps"]] == [("machine", "ok"), ("cuda_tests", "ok"), ("e2e", "ok")]
+    done, first = dry_run(tmp_path, "first", "--steps", "cuda_tests", "e2e", "--fault", "e2e=cut@2")
+    assert done.returncode == 1
+    assert [(s["step"], s["status"]) for s in first["steps"]] == [("machine", "ok"), ("cuda_tests", "ok"), ("e2e", "failed")]
+    assert first["steps"][2]["exit"] == -9 and first["steps"][2]["left_running"] == []
+    cut = json.loads((tmp_path / "first" / "e2e.json").read_text())
+    assert [r["runner"] for r in cut["runs"]] == ["plain"] and cut["rows"] == [] and not cut["finished"]
+    first_scratch = Path(first["scratch"])  # the in-process run, done but not logged: what stood in the way
+    assert (first_scratch / "e2e-runs" / "fedmr" / "local" / "run" / "metrics.jsonl").is_file()
+    first_logs = {f.name: f.read_bytes() for f in (first_scratch / "logs").iterdir()}
+
     done, record = dry_run(tmp_path, "second", "--resume", str(tmp_path / "first"))
     out = tmp_path / "second"
     assert done.returncode == 0, json.dumps(record["steps"], indent=1)[-4000:] + done.stderr[-2000:]
     assert [(s["step"], s["status"]) for s in record["steps"]] == [
-        ("machine", "ok"), ("cuda_tests", "done earlier"), ("e2e", "done earlier"), ("vectorized", "ok"),
+        ("machine", "ok"), ("cuda_tests", "done earlier"), ("e2e", "ok"), ("vectorized", "ok"),
         ("cifar_round", "ok"), ("throughput", "ok")]
     assert record["earlier_calls"][0]["steps"] == first["steps"]
-    for name in ("cuda_tests.json", "e2e.json"):  # carried over, not run again
-        assert (out / name).read_bytes() == (tmp_path / "first" / name).read_bytes()
+    assert (out / "cuda_tests.json").read_bytes() == (tmp_path / "first" / "cuda_tests.json").read_bytes()
+    e2e = json.loads((out / "e2e.json").read_text())
+    assert e2e["errors"] == [] and e2e["finished"] and e2e["rows_from_earlier_run"] == 0
+    assert sorted(r["runner"] for r in e2e["runs"]) == ["local", "plain", "vectorized"]  # none of the cut attempt's
+    assert Path(record["scratch"]).parent == first_scratch.parent and Path(record["scratch"]) != first_scratch
+    assert all(Path(r["final_model"]).is_relative_to(record["scratch"]) for r in e2e["rows"])
+    assert {f.name: f.read_bytes() for f in (first_scratch / "logs").iterdir()} == first_logs
     # what the first call left unused rolls over: the vectorized step's limit is its plan and more
     vectorized = next(s for s in record["steps"] if s["step"] == "vectorized")
     assert vectorized["rolled_over_s"] > 100 and vectorized["limit_s"] > vectorized["planned_s"]
@@ -75,7 +91,6 @@ def test_the_dry_run_cut_off_after_its_second_step_is_completed_by_resume(tmp_pa
     # the CUDA tests ran, each skipped for want of a device, each recorded as it ended
     tests = json.loads((out / "cuda_tests.json").read_text())
     assert tests["finished"] and len(tests["rows"]) == 11 and {r["outcome"] for r in tests["rows"]} == {"skipped"}
-    e2e = json.loads((out / "e2e.json").read_text())
     runners = {row["runner"]: row for row in e2e["rows"]}
     assert set(runners) == {"this app, in-process", "this app, in-process, vectorized", "plain loop"}
     assert len(e2e["runs"]) == 3 and e2e["errors"] == [] and e2e["finished"]
@@ -97,36 +112,6 @@ def test_the_dry_run_cut_off_after_its_second_step_is_completed_by_resume(tmp_pa
     throughput = json.loads((out / "gpu_throughput.json").read_text())
     assert throughput["device"] == "cpu" and throughput["models"]["cnn"]["rows"][0]["clients"] == 1
 
-
-def test_the_dry_run_cut_off_inside_its_e2e_step_resumes_on_the_same_site(tmp_path: Path) -> None:
-    """The first call is cut off inside the e2e step, its plain loop and in-process run done, the
-    vectorized run never started (``cut@2``: the bench killed at a known point, as its limit
-    would); the second, ``--resume`` of the first on the same site, keeps the CUDA tests and runs
-    the papers' shape again in a folder of its own: every case ends ok, the cut-off attempt's runs
-    are neither in the way nor in its file, and the first call's scratch stays as it was."""
-    done, first = dry_run(tmp_path, "first", "--steps", "cuda_tests", "e2e", "--fault", "e2e=cut@2")
-    assert done.returncode == 1
-    assert [(s["step"], s["status"]) for s in first["steps"]] == [("machine", "ok"), ("cuda_tests", "ok"), ("e2e", "failed")]
-    assert first["steps"][2]["exit"] == -9 and first["steps"][2]["left_running"] == []
-    cut = json.loads((tmp_path / "first" / "e2e.json").read_text())
-    assert [r["runner"] for r in cut["runs"]] == ["plain"] and cut["rows"] == [] and not cut["finished"]
-    first_scratch = Path(first["scratch"])  # the in-process run, done but not logged: what stood in the way
-    assert (first_scratch / "e2e-runs" / "fedmr" / "local" / "run" / "metrics.jsonl").is_file()
-    first_logs = {f.name: f.read_bytes() for f in (first_scratch / "logs").iterdir()}
-
-    done, record = dry_run(tmp_path, "second", "--steps", "cuda_tests", "e2e", "--resume", str(tmp_path / "first"))
-    out = tmp_path / "second"
-    assert done.returncode == 0, json.dumps(record["steps"], indent=1)[-4000:] + done.stderr[-2000:]
-    assert [(s["step"], s["status"]) for s in record["steps"]] == [("machine", "ok"), ("cuda_tests", "done earlier"),
-                                                                     ("e2e", "ok")]
-    assert (out / "cuda_tests.json").read_bytes() == (tmp_path / "first" / "cuda_tests.json").read_bytes()
-    e2e = json.loads((out / "e2e.json").read_text())
-    assert e2e["errors"] == [] and e2e["finished"] and e2e["rows_from_earlier_run"] == 0
-    assert sorted(r["runner"] for r in e2e["runs"]) == ["local", "plain", "vectorized"]  # none of the cut attempt's
-    assert {r["runner"] for r in e2e["rows"]} == {"this app, in-process", "this app, in-process, vectorized", "plain loop"}
-    assert Path(record["scratch"]).parent == first_scratch.parent and Path(record["scratch"]) != first_scratch
-    assert all(Path(r["final_model"]).is_relative_to(record["scratch"]) for r in e2e["rows"])
-    assert {f.name: f.read_bytes() for f in (first_scratch / "logs").iterdir()} == first_logs
 
 
 def live_processes_of_group(group: int) -> list[str]:
