@@ -147,8 +147,8 @@ class DefenceSettings(Settings):
                                          "(nearest-neighbour mixing), bucketing, clipping, arc (adaptive robust "
                                          "clipping); need a robust aggregator", label="{} first")
     f: int = setting(0, Int(min=0), "hostile nodes tolerated: passed to every aggregator, pre-aggregator and "
-                     "screen that takes it; the round's updates must allow it (refused before the first round)",
-                     label="f {}")
+                     "screen that takes it, which refuses to run without one (at least 1); the round's updates must "
+                     "allow it (refused before the first round)", label="f {}")
     bucket_size: int = setting(2, Int(min=1), "s of the bucketing pre-aggregator (needs bucketing)", label="s {}")
     clip_threshold: float = setting(2.0, Number(gt=0), "c of the clipping pre-aggregator: the L2 bound of each "
                                     "update (needs clipping)", label="c {}")
@@ -165,6 +165,11 @@ class DefenceSettings(Settings):
             if getattr(self, name) != default and needs not in self.pre_aggregators:
                 raise ConfigError(f"{prefix}{name}", getattr(self, name), f"{default} unless {prefix}pre_aggregators "
                                   f"has {needs} (the setting is its parameter)")
+        needs_f = [name for name in (self.aggregator, *self.pre_aggregators) if takes_f(name, ())]
+        if self.f == 0 and needs_f:
+            raise ConfigError(f"{prefix}f", self.f, f"at least 1 with {needs_f[0]} (the hostile updates it tolerates: "
+                              "with f = 0 krum keeps one update, trmean and nnm are the plain mean; set the hostile "
+                              "nodes the defence must survive)")
         if self.f > 0 and not (self.krum_screen or takes_f(self.aggregator, self.pre_aggregators)):
             raise ConfigError(f"{prefix}f", self.f, f"0 unless {prefix}krum_screen is on or an aggregator or "
                               "pre-aggregator that takes f is configured (median, average, geometric_median, "

@@ -65,6 +65,8 @@ class ReplyCheck:
     weight_key: str
     bound: Callable[[int], tuple[int | None, str]]
     metrics: tuple[str, ...] = ()
+    #: Said after a NaN/Inf rejection (under differential privacy: the noise is the likely cause).
+    non_finite_hint: str = ""
 
     @classmethod
     def of(cls, context: Any, server_round: int) -> ReplyCheck:
@@ -83,8 +85,9 @@ class ReplyCheck:
             return (int(cap), "strategy.max_num_examples") if cap is not None else (None, "")
 
         needs = method.needs(server_round)
+        hint = "" if context.privacy is None else context.privacy.non_finite_hint()
         return cls(context.replies.spec, dict(needs.arrays), method.holds == PER_NODE, context.conventions.arrayrecord_key,
-                   context.conventions.weighted_by_key, bound, tuple(needs.metrics))
+                   context.conventions.weighted_by_key, bound, tuple(needs.metrics), hint)
 
     def check(self, reply: Message, slot: int, node: int, taken: bool = False) -> tuple[ClientUpdate | None, str]:
         """(update, "") for a usable reply of ``node`` filling ``slot``, else (None, why). Its
@@ -95,7 +98,7 @@ class ReplyCheck:
             arrays_key=self.arrays_key, weight_key=self.weight_key,
         )
         if update is None:
-            return None, reason
+            return None, reason + (self.non_finite_hint if "NaN or Inf" in reason else "")
         if taken:
             return None, "duplicate reply"
         bound, source = self.bound(node)

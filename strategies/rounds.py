@@ -18,6 +18,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
+import numpy as np
+
 from fedmm import protocol
 from fedmm.protocol import ClientUpdate
 from strategies.contract import model_index
@@ -38,6 +40,8 @@ def begin(context: Context, arrays: ArrayRecord) -> None:
         initial = protocol.record_to_model(arrays)
         check_first_model(method.settings.defence, initial)
         method.initialize(initial)
+        if context.privacy is not None:  # what the noise is against C, said before any node is asked
+            context.privacy.tell(sum(int(np.size(v)) for v in initial.values() if np.issubdtype(np.asarray(v).dtype, np.floating)))
     assert method.models is not None
     if context.replies.spec is None:
         context.replies.spec = protocol.array_spec(method.models[0])

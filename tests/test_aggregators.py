@@ -189,3 +189,15 @@ def test_the_attack_bench_defence_is_the_preset_its_table_calls_default(strategy
     base = [f"strategy={strategy}", "num_clients=10", "clients_per_round=10"]
     preset = compose([*base, *field.defence_overrides(strategy, "default")]).strategy.defence
     assert dict(compose([*base, *faults.default_defence(strategy)]).strategy.defence) == dict(preset)
+
+
+@pytest.mark.parametrize("overrides", [["strategy.defence.aggregator=krum"], ["strategy.defence.aggregator=trmean"],
+                                       ["strategy.defence.aggregator=median", "strategy.defence.pre_aggregators=[nnm]"]])
+def test_an_aggregator_that_tolerates_f_hostile_updates_refuses_to_run_without_f(overrides: list[str]) -> None:
+    """``f`` left at 0 would make krum keep one update and trmean or nnm the plain mean, silently:
+    refused before the first round, naming ``f`` and what takes it."""
+    with pytest.raises(ConfigError) as err:
+        compose(overrides)
+    taker = next(o.split("=")[1].strip("[]") for o in overrides if "krum" in o or "trmean" in o or "nnm" in o)
+    assert err.value.key == "strategy.defence.f" and f"at least 1 with {taker}" in str(err.value)
+    assert compose([*overrides, "strategy.defence.f=1"]).strategy.defence.f == 1

@@ -48,7 +48,7 @@ def commands(page: Path) -> Iterator[Command]:
         if stripped.endswith("\\"):
             pending += stripped[:-1] + " "
             continue
-        text = (pending + stripped).strip()
+        text = substituted((pending + stripped).strip())
         pending = ""
         try:
             words = shlex.split(text, comments=True)
@@ -56,6 +56,30 @@ def commands(page: Path) -> Iterator[Command]:
             words = text.split()
         if words:
             yield Command(page, start, " ".join(shlex.quote(w) for w in words))
+
+
+#: Command substitutions whose output a command's check needs (a value), run here: module -> its name.
+SUBSTITUTIONS = {"analysis.privacy_budget": "-m analysis.privacy_budget"}
+
+
+def substituted(text: str) -> str:
+    """``text`` with each ``$(python -m <module> ...)`` of :data:`SUBSTITUTIONS` replaced by its
+    output, as the shell would (run in this process); any other substitution is left as it is."""
+    import contextlib
+    import io
+
+    def run(match: re.Match) -> str:
+        inner = match.group(1).strip()
+        module = next((m for m, marker in SUBSTITUTIONS.items() if marker in inner), None)
+        if module is None:
+            return match.group(0)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            code = importlib.import_module(module).main(shlex.split(inner.split(SUBSTITUTIONS[module], 1)[1]))
+        assert code == 0, f"$({inner}) failed"
+        return out.getvalue().strip()
+
+    return re.sub(r"\$\(([^()]*)\)", run, text)
 
 
 def all_commands() -> list[Command]:
