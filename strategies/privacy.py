@@ -255,10 +255,10 @@ class Privacy:
             raise ValueError("differential privacy accounts the draw of K of N clients: give num_clients (N)")
         privacy = cls(settings, method.num_clients, method.clients_per_round, str(release_of(type(method))))
         privacy.selector = context.selector
-        privacy.draw_secretly()
+        privacy._draw_secretly()
         return privacy
 
-    def draw_secretly(self) -> None:
+    def _draw_secretly(self) -> None:
         """With secret sampling, the uniform selector draws from a seed derived from the stage's."""
         if self.settings.sampling == "secret" and self.selector is not None and hasattr(self.selector, "seed"):
             self.selector.seed = int(np.random.SeedSequence([self.seed, 0x5A3]).generate_state(1)[0])
@@ -270,7 +270,7 @@ class Privacy:
 
         from flwr.supercore import log
 
-        if not self.would_exceed():
+        if not self._would_exceed():
             return False
         self.stopped = (f"the privacy budget: round {server_round} would take ε above max_epsilon="
                         f"{self.settings.max_epsilon:g} at δ={self.delta:.3g} (ε so far {self.epsilon:.4g} after "
@@ -363,7 +363,7 @@ class Privacy:
     def epsilon(self) -> float:
         return float(self.accountant.get_epsilon(self.delta)) if self.accountant.num_releases else 0.0
 
-    def would_exceed(self) -> bool:
+    def _would_exceed(self) -> bool:
         """Whether the next round's release would take ε above ``max_epsilon``."""
         return self.settings.max_epsilon is not None and bool(self.accountant.would_exceed(self.event))
 
@@ -380,7 +380,7 @@ class Privacy:
         self.accountant.load_state_dict(dict(state["accountant"]))
         self.rng.bit_generator.state = state["rng"]
         self.seed = int(state["seed"])
-        self.draw_secretly()
+        self._draw_secretly()
 
 
 def noise_multiplier_for(epsilon: float, delta: float, rounds: int, sample: int, population: int,
