@@ -343,7 +343,6 @@ def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
     content = content_for(cfg, client_model)
     # the server step is the app's own strategy's (FedAvg's for a method the loop does not run)
     strategy = build_strategy(cfg) if name in PLAIN_SERVER_STEPS else FedAvg(k, seed)
-    strategy.log_model_cosine = False  # a logged metric, not the method: the plain loop never computed it
     strategy.initialize(initial)
     setup = time.perf_counter() - setup_start
     mark("strategy_start")

@@ -227,6 +227,19 @@ class Holdings:
         except Exception:  # noqa: BLE001 - a container changed while it was read (or an older strategy): skip
             return 0
 
+    def client_state(self) -> tuple[int, int]:
+        """The bytes the nodes' contexts keep across rounds (a stateful client method's per-client
+        state: SCAFFOLD's control variate, FedDyn's gradient term), and how many nodes keep any;
+        the in-process engine only (on Ray the state lives in Flower's node state)."""
+        total = nodes = 0
+        for grid in list(self.grids()):
+            try:
+                held = grid.state_bytes()
+            except (AttributeError, RuntimeError):  # an older engine, or its table changed while read
+                continue
+            total, nodes = total + sum(held.values()), nodes + len(held)
+        return total, nodes
+
     def store_bytes(self) -> int:
         total = 0
         for grid in list(self.grids()):
@@ -300,6 +313,8 @@ class TreeSampler(threading.Thread):
         super().__init__(daemon=True)
         self.holdings = holdings
         self.peak_app = self.peak_store = 0
+        #: The nodes' kept state (bytes, nodes keeping any) at the latest sample: :meth:`Holdings.client_state`.
+        self.client_state = (0, 0)
         self.at_server_peak: dict[str, int] = {}
         self.at_live_peak: dict[str, int] = {}
         self.server_rss_r0_parts: dict[str, int] | None = None
@@ -361,10 +376,12 @@ class TreeSampler(threading.Thread):
             app = self.holdings.app_bytes() if self.holdings else 0
             store = self.holdings.store_bytes() if self.holdings else 0
             self.peak_app, self.peak_store = max(self.peak_app, app), max(self.peak_store, store)
+            self.client_state = self.holdings.client_state() if self.holdings else (0, 0)
             if server >= self.server_peak_after_r0:
                 # RssAnon: the process's own heap; RssShmem: shared memory it maps (Ray's object
                 # store, /dev/shm), counted in its RSS for the pages it touched
-                self.at_server_peak = {"rss": server, "app": app, "store": store, **memory_parts()}
+                self.at_server_peak = {"rss": server, "app": app, "store": store, "client_state": self.client_state[0],
+                                       **memory_parts()}
             self.server_peak_after_r0 = max(self.server_peak_after_r0, server)
             heap = malloc_bytes()
             if heap is not None and heap["in_use"] >= self.at_live_peak.get("malloc_in_use", 0):
@@ -395,7 +412,7 @@ def rest_parts(sampler: TreeSampler, model_bytes: int) -> dict[str, float]:
     if "malloc_in_use" not in peak or "malloc_in_use" not in r0:
         return {}
     delta = {key: peak[key] - r0.get(key, 0) for key in ("anon", "file", "shmem", "malloc_in_use", "malloc_kept")}
-    held = peak.get("app", 0) + peak.get("store", 0)
+    held = peak.get("app", 0) + peak.get("store", 0) + peak.get("client_state", 0)
     return {
         "rest_malloc_kept_models": delta["malloc_kept"] / model_bytes,
         "rest_file_pages_models": delta["file"] / model_bytes,
@@ -489,8 +506,14 @@ def child_scale(spec: dict[str, Any]) -> dict[str, Any]:
         "store_peak_models": sampler.peak_store / model_bytes,
         "at_server_peak_app_models": sampler.at_server_peak.get("app", 0) / model_bytes,
         "at_server_peak_store_models": sampler.at_server_peak.get("store", 0) / model_bytes,
-        "at_server_peak_rest_models": (above - sampler.at_server_peak.get("app", 0) - sampler.at_server_peak.get("store", 0))
-        / model_bytes,
+        "at_server_peak_rest_models": (above - sampler.at_server_peak.get("app", 0) - sampler.at_server_peak.get("store", 0)
+                                       - sampler.at_server_peak.get("client_state", 0)) / model_bytes,
+        # what the nodes keep across rounds (in process, in the server's memory): at the server's
+        # peak and at the run's end, and per node that keeps any, in model sizes
+        "at_server_peak_client_state_models": sampler.at_server_peak.get("client_state", 0) / model_bytes,
+        "client_state_end_models": sampler.client_state[0] / model_bytes,
+        "client_state_nodes": sampler.client_state[1],
+        "client_state_per_node_models": sampler.client_state[0] / model_bytes / max(sampler.client_state[1], 1),
         # the server's peak above round 0 split into its own heap and the shared memory it maps
         "at_server_peak_anon_above_r0_models": (sampler.at_server_peak.get("anon", 0)
                                                 - (sampler.server_rss_r0_parts or {}).get("anon", 0)) / model_bytes,
@@ -624,6 +647,10 @@ def main() -> None:
                   f"freed and kept by the allocator {row['rest_malloc_kept_models']:.1f}, pages of mapped files "
                   f"{row['rest_file_pages_models']:.1f}, outside the allocator {row['rest_outside_malloc_models']:.1f}, shared "
                   f"memory {row['rest_shmem_models']:.1f}", flush=True)
+        if row["client_state_nodes"]:
+            print(f"{'':<10}the nodes' kept state: {row['client_state_end_models']:.1f} model sizes at the end over "
+                  f"{row['client_state_nodes']} nodes ({row['client_state_per_node_models']:.2f} per node), "
+                  f"{row['at_server_peak_client_state_models']:.1f} at the server's peak", flush=True)
         top = ", ".join(f"{p['name']} {p['peak_rss_mib']:.0f}" for p in row["top_processes"][:6])
         print(f"{'':<10}largest processes (peak RSS MiB): {top}", flush=True)
     print("server r0: server RSS at the round-0 evaluation; peak: its largest sampled RSS after that; copies: (peak - r0) / "

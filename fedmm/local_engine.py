@@ -560,6 +560,17 @@ class LocalGrid(Grid):
         """The grids of this process that are alive (memory diagnostics: ``bench/scale.py``)."""
         return list(_LIVE)
 
+    def state_bytes(self) -> dict[int, int]:
+        """The bytes of the arrays each node's ``Context.state`` keeps across rounds (what a
+        stateful client method such as SCAFFOLD or FedDyn keeps per client), by node id, for the
+        nodes that keep any (memory diagnostics: ``bench/scale.py``)."""
+        held = {}
+        for node_id, context in list(self._contexts.items()):
+            size = sum(record.count_bytes() for record in list(context.state.array_records.values()))
+            if size:
+                held[node_id] = size
+        return held
+
     def _settle(self, metadata: Any, context: Context, out: Any) -> Message:
         """The reply to the message with ``metadata`` from what its ClientApp call returned
         (``out``) with ``context``: checked as Flower's engine checks it; the context becomes the

@@ -294,14 +294,15 @@ class RunRecorder(RunObserver):
 
     def plot_learning_curve(self, title: str) -> Path:
         """``learning_curve.png``: test accuracy and loss of the global model per round."""
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        # Figure + Agg canvas directly: no pyplot (its import and global state), works headless.
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
 
         out = self.path / "learning_curve.png"
         rounds = [row["round"] for row in self.history]
-        fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(10, 4))
+        fig = Figure(figsize=(10, 4))
+        FigureCanvasAgg(fig)
+        ax_acc, ax_loss = fig.subplots(1, 2)
         ax_acc.plot(rounds, [100 * row["accuracy"] for row in self.history], marker=".", label="global model, test split")
         federated = [(row["round"], row["federated_accuracy"]) for row in self.history if row.get("federated_accuracy") is not None]
         if federated:
@@ -326,5 +327,4 @@ class RunRecorder(RunObserver):
         fig.tight_layout()
         with atomic_file(Path(out), "wb") as f:
             fig.savefig(f, dpi=100, format="png")
-        plt.close(fig)
         return out

@@ -18,9 +18,8 @@ from fedmm.settings import Choice, Int, Number, setting
 from fedmm.protocol import ModelDict
 from strategies.aggregation import mean_models
 from strategies.method import ASYNC, SYNC
-from strategies.multimodel import MultiModel
+from strategies.multimodel import MultiModel, MultiModelSettings
 from strategies.selection import ClientSelector
-from strategies.strategy_settings import StrategySettings
 from strategies.cross_aggregation import (
     SELECTIONS,
     SIMILARITIES,
@@ -32,7 +31,7 @@ from strategies.cross_aggregation import (
 )
 
 @dataclass
-class FedCrossSettings(StrategySettings):
+class FedCrossSettings(MultiModelSettings):
     """FedCross's settings (paper Section III; acceleration Section III-D, off by default)."""
 
     option = "fedcross"

@@ -15,15 +15,14 @@ from fedmm.protocol import ModelDict
 from fedmm.settings import Bool, Choice, Int, MapOf, Nullable, Number, setting
 from strategies.aggregation import mean_models
 from strategies.method import ASYNC, SECURE, SYNC
-from strategies.multimodel import MultiModel
+from strategies.multimodel import MultiModel, MultiModelSettings
 from strategies.recombination import GRANULARITIES, recombine, segments_for_ratio
 from strategies.secure_recombination import SecureRecombination, SecureSettings
 from strategies.selection import ClientSelector
-from strategies.strategy_settings import StrategySettings
 
 
 @dataclass
-class FedMRSettings(StrategySettings):
+class FedMRSettings(MultiModelSettings):
     """FedMR's settings (KDD'24 §4, two-stage training §4.3, FedMR-p x ablation)."""
 
     option = "fedmr"

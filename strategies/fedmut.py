@@ -14,13 +14,12 @@ from dataclasses import dataclass
 
 from fedmm.protocol import ModelDict
 from fedmm.settings import Int, Number, setting
-from strategies.multimodel import MultiModel
+from strategies.multimodel import MultiModel, MultiModelSettings
 from strategies.mutation import acceleration, mutate
-from strategies.strategy_settings import StrategySettings
 
 
 @dataclass
-class FedMutSettings(StrategySettings):
+class FedMutSettings(MultiModelSettings):
     """FedMut's mutation (Hu et al., AAAI 2024)."""
 
     option = "fedmut"

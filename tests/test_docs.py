@@ -154,10 +154,13 @@ def check_fedmm(args: list[str]) -> None:
             swept[key] = items
         else:
             fixed.append(o)
-    compose(fixed)
-    for key, items in swept.items():
-        for item in items:
-            compose([*fixed, f"{key}={item}"])
+    # each value of each swept key, with the first value of every other one (a sweep composes whole
+    # jobs: a fixed key may need a swept one, as strategy.<a key of its own> needs strategy=...)
+    first = [f"{key}={items[0]}" for key, items in swept.items()]
+    compose([*fixed, *first])
+    for index, (key, items) in enumerate(swept.items()):
+        for item in items[1:]:
+            compose([*fixed, *first[:index], f"{key}={item}", *first[index + 1:]])
 
 
 def check_search(args: list[str]) -> None:

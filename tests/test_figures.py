@@ -75,7 +75,7 @@ def test_the_multi_model_base_logs_the_cosine_of_the_trained_models_before_the_u
         return RecordDict({"arrays": model_to_record(out), "metrics": MetricRecord({"num-examples": 5.0})})
 
     dropped = "partition:000000002"
-    strategy = FedMR(clients_per_round=4, seed=0)  # recombination changes the models after the log
+    strategy = FedMR(clients_per_round=4, seed=0, log_model_cosine=True)  # recombination changes the models after the log
     grid = FakeGrid(node, num_nodes=4, drop=[dropped])
     msgs = list(strategy.configure_train(1, initial(), ConfigRecord({}), grid))
     strategy.aggregate_train(1, grid.send_and_receive(msgs))
@@ -86,8 +86,7 @@ def test_the_multi_model_base_logs_the_cosine_of_the_trained_models_before_the_u
     assert log["model_cosine"] == pytest.approx(np.mean(pairs), rel=1e-12)
     assert (log["model_cosine_min"], log["model_cosine_max"]) == pytest.approx((min(pairs), max(pairs)), rel=1e-12)
 
-    quiet = MultiModel(clients_per_round=4, seed=0)
-    quiet.log_model_cosine = False
+    quiet = MultiModel(clients_per_round=4, seed=0)  # the default: not logged (opt-in, it costs a Gram matrix)
     msgs = list(quiet.configure_train(1, initial(), ConfigRecord({}), grid))
     quiet.aggregate_train(1, grid.send_and_receive(msgs))
     assert not any(key.startswith("model_cosine") for key in quiet.round_log)

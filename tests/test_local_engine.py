@@ -330,10 +330,12 @@ def test_consuming_a_reply_leaves_what_the_client_kept_of_it() -> None:
         node = list(grid.get_node_ids())[0]
         (reply,) = grid.send_and_receive([train_message(node, round=1)], timeout=30)
         protocol.record_to_model(reply.content["arrays"], consume=True, copy=False)
-        return list(reply.content["arrays"]), list(grid.context(node).state["mine"])
+        return list(reply.content["arrays"]), list(grid.context(node).state["mine"]), grid.state_bytes(), node
 
-    emptied, kept = serve(main, app)
+    emptied, kept, held, node = serve(main, app)
     assert emptied == [] and kept == ["w", "b"]
+    # what each node keeps across rounds, for the memory bench: the one node that kept its record
+    assert held == {node: model_record().count_bytes()}
 
 
 def test_a_reply_that_is_not_a_reply_to_its_message_is_an_error_reply_naming_why() -> None:
