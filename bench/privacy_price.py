@@ -15,7 +15,9 @@ two local epochs at lr 0.05 (the defaults of ``--lr`` and ``--local-epochs``). W
 ``--groups G``: the multi-model methods (FedMR, FedCross) release G group means a round
 (``strategy.privacy.groups=G``, docs/privacy.md "Grouped releases"), their rows named
 ``fedmr_grouped`` / ``fedcross_grouped`` with ``groups``; at ε = inf (no differential privacy, so
-no groups) they run as the plain method. FedAvg's runs are the same with or without it.
+no groups) they run as the plain method, or with ``--noiseless`` clipped and grouped with z = 1e-9
+(rows marked ``noiseless``: their ε holds nothing; they measure what grouping and clipping cost
+without the noise). FedAvg's runs are the same with or without it.
 """
 
 from __future__ import annotations
@@ -41,8 +43,12 @@ def label(method: str, groups: int | None) -> str:
     return f"{method}_grouped" if groups and method in GROUPED else method
 
 
+#: The noise multiplier of a ``--noiseless`` run: clipped and grouped, no privacy to speak of.
+NOISELESS_Z = 1e-9
+
+
 def run_one(method: str, n: int, k: int, partition: str, epsilon: float, seed: int, rounds: int, clip: float, root: Path,
-            training: tuple[str, ...], groups: int | None = None) -> dict:
+            training: tuple[str, ...], groups: int | None = None, noiseless: bool = False) -> dict:
     from fedmm.config import compose, to_container
     from fedmm.results import read_metrics
     from launch.cli import run_job
@@ -53,7 +59,11 @@ def run_one(method: str, n: int, k: int, partition: str, epsilon: float, seed: i
     z = noise_multiplier_for(epsilon, delta, rounds, k, n) if private else None
     dp = [f"strategy.privacy.clip_norm={clip}", f"strategy.privacy.noise_multiplier={z}",
           f"strategy.privacy.delta={delta}"] if private else []
-    grouped = groups if private and method in GROUPED else None
+    grouped = groups if (private or noiseless) and method in GROUPED else None
+    if noiseless and grouped and not private:  # the grouped method's arithmetic and clipping, without the noise
+        z = NOISELESS_Z
+        dp = [f"strategy.privacy.clip_norm={clip}", f"strategy.privacy.noise_multiplier={z}",
+              f"strategy.privacy.delta={delta}"]
     dp += [f"strategy.privacy.groups={grouped}"] if grouped else []
     name = f"{label(method, groups)}_N{n}_eps{epsilon:g}_s{seed}"
     run = run_job(to_container(compose([f"strategy={method}", "model=lenet", f"num_clients={n}", f"clients_per_round={k}",
@@ -65,7 +75,8 @@ def run_one(method: str, n: int, k: int, partition: str, epsilon: float, seed: i
             "epsilon": summary.get("privacy", {}).get("epsilon"), "final_accuracy": rows[-1]["accuracy"],
             "status": summary["status"], "clipped_share": statistics.mean(r.get("dp_clipped_share", 0.0) for r in rows[1:]),
             "update_norm_median": statistics.mean(r.get("dp_update_norm_median", 0.0) for r in rows[1:]),
-            "seconds": rows[-1].get("seconds")}
+            "seconds": rows[-1].get("seconds"),
+            **({"noiseless": "z = 1e-9: clipped and grouped without noise; its ε holds nothing"} if z == NOISELESS_Z else {})}
 
 
 def figure(rows: list[dict], path: Path) -> None:
@@ -112,6 +123,9 @@ def main() -> None:
     parser.add_argument("--figure", default="docs/results/privacy_price.png")
     parser.add_argument("--groups", type=int, default=None,
                         help="G: FedMR and FedCross release G group means a round (strategy.privacy.groups)")
+    parser.add_argument("--noiseless", action="store_true",
+                        help="with --groups, ε = inf runs the grouped methods clipped and grouped with z = 1e-9 (no "
+                             "privacy: the cost of grouping and clipping alone) instead of as the plain method")
     args = parser.parse_args()
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     root = Path(tempfile.mkdtemp(prefix="fedmm-privacy-"))
@@ -126,11 +140,11 @@ def main() -> None:
         for seed in args.seeds:
             for epsilon in args.epsilons:
                 for method in args.methods:
-                    grouped = args.groups if math.isfinite(epsilon) and method in GROUPED else None
+                    grouped = args.groups if (math.isfinite(epsilon) or args.noiseless) and method in GROUPED else None
                     if (label(method, args.groups), n, epsilon, seed, grouped) in done:
                         continue
                     rows.append(run_one(method, n, k, partition, epsilon, seed, args.rounds, args.clip, root, training,
-                                        args.groups))
+                                        args.groups, args.noiseless))
                     out.parent.mkdir(parents=True, exist_ok=True)
                     out.write_text(json.dumps({"rounds": args.rounds, "clip": args.clip, "rows": rows}, indent=1,
                                               default=lambda v: None if isinstance(v, float) and not math.isfinite(v) else v))

@@ -138,6 +138,8 @@ def test_a_secret_draw_is_not_the_runs_seed_and_a_resumed_run_draws_the_same() -
     base = ["num_clients=10", "clients_per_round=3", "strategy.privacy.clip_norm=1.0"]
     a, b = build_strategy(compose(base)), build_strategy(compose(base))
     assert a.context.selector.seed != b.context.selector.seed != 0  # the operating system's entropy
+    assert min(a.context.privacy.seed, b.context.privacy.seed) > 2**40  # a 63-bit secret (false alarm: 2^-22)
+    assert a.context.privacy.epsilon == 0.0 and a.context.privacy.accountant.num_releases == 0
     b.context.load_state_dict({**a.context.state_dict(), "models": [ZERO], "global_model": ZERO})
     assert b.context.selector.seed == a.context.selector.seed and b.context.privacy.seed == a.context.privacy.seed
     public = build_strategy(compose([*base, "strategy.privacy.sampling=public"]))
@@ -399,3 +401,32 @@ def test_a_rejected_round_leaves_the_optimizers_moments_and_the_accountant_as_th
     assert "NaN/Inf" in overflow.context.last_round.failure
     assert state_equal(overflow.context.optimizer.state_dict(), type(overflow.context.optimizer)().state_dict())
     assert overflow.context.privacy.accountant.num_releases == 0
+
+
+def test_client_clipping_allows_float_rounding_above_c_and_nothing_more() -> None:
+    """With client clipping an update of norm C·(1 + 5e-5) (the mod's float32 rounding) is
+    accepted, one of C·(1 + 5e-4) is rejected with its norm."""
+    base = ["num_clients=4", "clients_per_round=4", "strategy.privacy.clip_norm=1.0", "strategy.privacy.clipping=client"]
+    ok = run_rounds(base, returning((1 + 5e-5) / np.sqrt(2), directions=True))
+    assert ok.context.last_round.replies == 4, ok.context.last_round.rejections
+    above = run_rounds(base, returning((1 + 5e-4) / np.sqrt(2), directions=True))
+    assert above.context.last_round.replies == 0
+    assert all("is above clip_norm 1 (the client did not clip" in r for r in above.context.last_round.rejections)
+
+
+def test_the_noise_multiplier_for_a_budget_is_the_smallest_that_keeps_it() -> None:
+    """noise_multiplier_for's z keeps 3 rounds of 5 of 10 within ε = 4 at δ = 1e-3 by Google's
+    dp-accounting, and 0.3 % less would not."""
+    from dp_accounting import dp_event, privacy_accountant
+    from dp_accounting.rdp import rdp_privacy_accountant as rdp
+
+    from strategies.privacy import noise_multiplier_for
+
+    def epsilon(z: float) -> float:
+        accountant = rdp.RdpAccountant(neighboring_relation=privacy_accountant.NeighboringRelation.REPLACE_ONE)
+        accountant.compose(dp_event.SampledWithoutReplacementDpEvent(10, 5, dp_event.GaussianDpEvent(z)), 3)
+        return accountant.get_epsilon(1e-3)
+
+    z = noise_multiplier_for(4.0, 1e-3, 3, 5, 10)
+    assert epsilon(z) <= 4.0 < epsilon(z * 0.997), (z, epsilon(z))
+    assert noise_multiplier_for(4.0, 1e-3, 3, 5, 10, sampling="public") > z  # no amplification: more noise

@@ -197,3 +197,16 @@ def test_group_settings_the_release_cannot_have_are_refused(overrides: list[str]
     with pytest.raises(ConfigError) as err:
         compose(["num_clients=20", *overrides])
     assert err.value.key == key and words in str(err.value), err.value
+
+
+def test_a_run_says_the_noise_on_a_group_release_against_c(caplog: pytest.LogCaptureFixture) -> None:
+    """Before the first round: the noise on the smallest group's release (z·2C/⌊K/G⌋·√d) against C."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="flwr")
+    s, _ = start(["strategy=fedcross", "num_clients=20", "clients_per_round=10", *DP, "strategy.privacy.groups=3"],
+                 returning())
+    d = sum(v.size for v in ZERO.values() if v.dtype.kind == "f")
+    expected = 0.5 * 2 * 1.0 / 3 * np.sqrt(d)
+    assert s.context.privacy.ratio == pytest.approx(expected)
+    assert f"the noise on each released model (the mean of a group of at least 3) has norm ~{expected:.3g}" in caplog.text
