@@ -33,6 +33,9 @@ BINOPS = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Div, ast.Div: ast.Mu
           ast.Mod: ast.FloorDiv, ast.Pow: ast.Mult}
 COMPARE = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq, ast.NotEq: ast.Eq,
            ast.Is: ast.IsNot, ast.IsNot: ast.Is, ast.In: ast.NotIn, ast.NotIn: ast.In}
+#: Imported once by the parent: third-party packages the tests load (never the project's own).
+PREIMPORT = ("numpy", "scipy.stats", "flwr.app", "flwr.serverapp", "flwr.clientapp", "flwr.supercore", "hydra",
+             "omegaconf", "dp_accounting", "dp_accounting.rdp.rdp_privacy_accountant", "pytest")
 #: Calls whose arguments are messages or declarations, not behaviour.
 LEFT_ALONE = {"log", "ConfigError", "ValueError", "RuntimeError", "TypeError", "setting", "print", "Nullable", "Number",
               "Int", "Choice"}
@@ -179,6 +182,8 @@ def main() -> None:
     parser.add_argument("--deselect", nargs="*", default=[], help="test ids left out (slow or flaky)")
     parser.add_argument("--only", nargs="*", default=None, help="mutate only these functions (name or Class.method)")
     parser.add_argument("--limit", type=int, default=None, help="the first N mutants only")
+    parser.add_argument("--sample", type=int, default=None, help="N mutants drawn at random (--seed) instead of all")
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=180.0)
     parser.add_argument("--out", default=None)
     parser.add_argument("--list", action="store_true", help="list the mutants and stop")
@@ -187,15 +192,25 @@ def main() -> None:
     original = path.read_text(encoding="utf-8")
     stat = path.stat()
     found = mutants(original, args.only)[: args.limit]
+    if args.sample is not None and args.sample < len(found):
+        import random
+
+        found = sorted(random.Random(args.seed).sample(found, args.sample), key=lambda m: m[1])
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # kill -TERM restores the file (finally)
     if args.list:
         for text, line, where, _ in found:
             print(f"{path}:{line} {where}: {text}")
         print(len(found), "mutants")
         return
-    import numpy  # noqa: F401 - the heavy imports, once, before the forks
-    import flwr.app  # noqa: F401
-    import flwr.serverapp  # noqa: F401
-    import hydra  # noqa: F401
+    import importlib
+
+    for name in PREIMPORT:  # the heavy third-party imports, once, before the forks
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
 
     tests = [*args.tests, *(f"--deselect={d}" for d in args.deselect)]
     rows = []

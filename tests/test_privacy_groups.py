@@ -28,9 +28,11 @@ class Updates(RunObserver):
 
     def __init__(self) -> None:
         self.rounds: list[list] = []
+        self.nodes: list[list[int]] = []
 
     def on_aggregate(self, server_round: int, updates) -> None:  # noqa: ANN001
         self.rounds.append([({k: np.array(v) for k, v in u.model.items()}, u.sent) for u in updates])
+        self.nodes.append([u.node_id for u in updates])
 
 
 def start(overrides: list[str], node, rounds: int = 1, observers=(), failing=()):  # noqa: ANN001, ANN201
@@ -174,10 +176,15 @@ def test_g_equal_k_is_one_client_per_model_as_without_groups() -> None:
     each release carrying its client's node id."""
     for extra in ([], ["strategy.privacy.groups=4"]):
         seen = Updates()
-        s, _ = start(["strategy=fedmr", "num_clients=8", "clients_per_round=4", *DP, *extra], returning(),
-                     observers=[seen])
+        s, grid = start(["strategy=fedmr", "num_clients=8", "clients_per_round=4", *DP, *extra], returning(),
+                        observers=[seen])
         assert len(s.models) == 4 and len(seen.rounds[0]) == 4
         assert all(within(std_of(m), 0.5 * 2 * 1.0, 12000) for m, _ in seen.rounds[0])
+        assert sorted(seen.nodes[0]) == sorted(m.metadata.dst_node_id for m in grid.sent)
+    grouped = Updates()
+    start(["strategy=fedmr", "num_clients=8", "clients_per_round=4", *DP, "strategy.privacy.groups=2"], returning(),
+          observers=[grouped])
+    assert grouped.nodes[0] == [-1, -1]  # a group's mean is no one client's
 
 
 @pytest.mark.parametrize(("overrides", "key", "words"), [
