@@ -18,8 +18,8 @@ from strategies.defence import ONE_MODEL, PER_CLIENT, PER_NODE  # noqa: F401 - w
 #: What a method releases under differential privacy (:mod:`strategies.privacy`): its next model
 #: is the mean of the round's updates (noise on that mean, scaled to the updates that came back) ...
 MEAN = "mean"
-#: ... or its models are functions of the trained models, one per client (noise on each of those;
-#: whatever the method does with them afterwards is post-processing).
+#: ... or its models are functions of the trained models, one per client or per group of clients
+#: (noise on each group's mean; whatever the method does with them afterwards is post-processing).
 MODELS = "models"
 #: The drivers a method may run under (:mod:`strategies.drivers`): the synchronous round, the
 #: asynchronous loop (``strategy.asynchronous.enabled``), FedMR's secure recombination
@@ -96,9 +96,14 @@ def release_refusal(method: type) -> str:
 
 def model_index(method: Any, slot: int) -> int:
     """The server model the ``slot``-th selected node is sent: model 0 for a method with one model,
-    model ``slot`` otherwise (a model per node of the round; a model per client: SOLO puts each
-    selected client's own model in its slot)."""
-    return 0 if method.holds == ONE_MODEL else slot
+    model ``slot`` mod the models it keeps for a model per node (K, or G under differential
+    privacy's grouped releases: the clients sent one model are a group), model ``slot`` for a
+    model per client (SOLO puts each selected client's own model in its slot)."""
+    if method.holds == ONE_MODEL:
+        return 0
+    if method.holds == PER_NODE and method.models:
+        return slot % len(method.models)
+    return slot
 
 
 def steps_one_model(method: type) -> bool:

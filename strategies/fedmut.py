@@ -46,8 +46,9 @@ class FedMut(MultiModel):
     Settings = FedMutSettings
 
     def update_models(self, server_round: int, models: list[ModelDict], trained: list[int]) -> list[ModelDict]:
-        """The K next models: mutations of the round's mean along Δ = mean − previous global."""
+        """The next models (as many as given: K, or G under grouped DP releases): mutations of the
+        round's mean along Δ = mean − previous global."""
         assert self.global_model is not None and self.round_mean is not None
         c = acceleration(server_round, self.settings.acc_rate, self.settings.bound)
         # w_old: the global model at the round's start (round 1: the initial model)
-        return mutate(self.round_mean, self.global_model, self.clients_per_round, self.settings.radius, c, self.rng)
+        return mutate(self.round_mean, self.global_model, len(models), self.settings.radius, c, self.rng)

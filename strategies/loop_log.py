@@ -85,7 +85,9 @@ def log_summary(context: Any) -> None:
         m.settings.fraction_evaluate)
     log(INFO, "\t│\t└──Selector: %s", context.selector.describe())
     if len(m.models or []) > 1 or m.holds == "a model per node":
-        log(INFO, "\t├──> Models: %d on the server, one per selected node%s", m.clients_per_round,
+        kept = m.settings.privacy.models_kept(m.clients_per_round) if m.holds == "a model per node" else m.clients_per_round
+        log(INFO, "\t├──> Models: %d on the server, %s%s", kept, "one per selected node" if kept == m.clients_per_round
+            else f"one per group of the selected nodes (differential privacy's groups: node i gets model i mod {kept})",
             " (each evaluated after every round)" if c.evaluate_models else "")
     log(INFO, "\t├──> Keys in records:")
     log(INFO, "\t│\t├── Weighted by: '%s'", c.weighted_by_key)

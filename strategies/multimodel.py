@@ -113,8 +113,9 @@ class MultiModel(Method):
     # ------------------------------------------------------------------ the method's hooks
     def initialize(self, initial: ModelDict) -> None:
         """K references to the initial model (never written in place); model i goes to the i-th
-        selected node."""
-        self.models = [initial] * self.clients_per_round
+        selected node. Under differential privacy's grouped releases G models (``privacy.groups``),
+        model i mod G to the i-th selected node."""
+        self.models = [initial] * self.settings.privacy.models_kept(self.clients_per_round)
         self.global_model = initial
 
     def aggregate(self, server_round: int, updates: list[ClientUpdate], mean: Mean) -> ModelDict:

@@ -17,10 +17,14 @@ method can skip it:
      client's data is replaced, so the aggregate gets N(0, (z·2C/m)²) per coordinate, z the
      ``noise_multiplier``; the mean is unweighted (example counts would let one client weigh
      more). A server optimizer steps from the noised mean (post-processing).
-   - ``"models"`` (FedMR, FedCross, FedMut): the K trained models are the release (each later
-     model is a permutation, fusion or mutation of them: post-processing), and replacing one
-     client's data moves its own model by at most 2C, so each of the K gets N(0, (z·2C)²) before
-     the method sees it: no averaging dilutes one node's contribution.
+   - ``"models"`` (FedMR, FedCross, FedMut): the method keeps G models (``groups``; null: G = K,
+     one client per model), the i-th selected node is sent model i mod G, and the clients sent
+     the same model form a group; the release is each group's clipped mean, noised with
+     N(0, (z·2C/m_g)²) for the m_g updates of the group that came back (:func:`group_releases`).
+     Each client is in exactly one group, so the G releases are one Gaussian mechanism of
+     multiplier z (parallel composition); every later model is a permutation, fusion or
+     mutation of them: post-processing. G = K is one client's model per release, noised with
+     z·2C. A group with fewer than ``min_group_size`` updates back is not released that round.
    - ``refused("why")``: refused under DP, with the method's reason; a method that declares
      nothing is refused too, naming the declaration to add.
 
@@ -48,7 +52,7 @@ import numpy as np
 
 from fedmm.errors import ConfigError
 from fedmm.protocol import ClientUpdate, ModelDict
-from fedmm.settings import Choice, Nullable, Number, Settings, setting
+from fedmm.settings import Choice, Int, Nullable, Number, Settings, setting
 
 #: The train-config key of the clipping norm that Flower's clipping mods read.
 CLIPPING_NORM_KEY = "clipping_norm"
@@ -82,6 +86,14 @@ class PrivacySettings(Settings):
                             "server: the server clips each update | client: the clients clip (Flower's "
                             "fixedclipping_mod; every train message carries clipping_norm) and the server "
                             "rejects an update above C")
+    groups: int | None = setting(None, Nullable(Int(min=1), "null (K: one client per model) or an integer >= 1"),
+                                 "G: with a multi-model method (releases models), the models it keeps and the "
+                                 "disjoint groups of the round's clients (the i-th selected to group i mod G), each "
+                                 "group's clipped mean released with noise z·2C/m_g; null: G = K, each model one "
+                                 "client's, noised with z·2C", label="{} DP groups")
+    min_group_size: int = setting(1, Int(min=1), "the fewest clients a release may average: K // G selected per group "
+                                  "at least this many (checked before the first round), and a group with fewer "
+                                  "updates back is not released that round (its model stays as sent)")
     sampling: str = setting("secret", Choice("secret", "public"),
                             "secret: the uniform selector draws from a seed of the operating system's, so the "
                             "draw amplifies privacy (sampling without replacement accounted) | public: the "
@@ -96,13 +108,18 @@ class PrivacySettings(Settings):
         if self.enabled:
             return
         defaults = PrivacySettings()
-        for name in ("noise_multiplier", "delta", "max_epsilon", "clipping", "sampling"):
+        for name in ("noise_multiplier", "delta", "max_epsilon", "clipping", "sampling", "groups", "min_group_size"):
             if getattr(self, name) != getattr(defaults, name):
                 raise ConfigError(f"{prefix}{name}", getattr(self, name), f"{getattr(defaults, name)!r} while "
                                   f"{prefix}clip_norm is null (differential privacy is off)".replace("None", "null"))
 
     def target_delta(self, population: int) -> float:
         return float(self.delta) if self.delta is not None else 1.0 / population ** 1.1
+
+    def models_kept(self, sample: int) -> int:
+        """How many models a multi-model method keeps for K = ``sample`` clients a round: G under
+        grouped releases, else K (one per selected client)."""
+        return int(self.groups) if self.enabled and self.groups is not None else int(sample)
 
 
 #: The neutral value of a run made before privacy was a setting.
@@ -134,7 +151,7 @@ def check_privacy(strategy_settings: Any, run: Any) -> None:
 
     from flwr.supercore import log
 
-    from strategies.contract import release_refusal
+    from strategies.contract import release_of, release_refusal
     from strategies.defence import DefenceSettings
 
     key, value = "strategy.privacy.clip_norm", p.clip_norm
@@ -154,10 +171,29 @@ def check_privacy(strategy_settings: Any, run: Any) -> None:
     if changed:
         raise ConfigError(f"strategy.defence.{changed[0]}", getattr(strategy_settings.defence, changed[0]),
                           f"its default with strategy.privacy.clip_norm set ({defence})")
+    check_groups(p, str(release_of(method)) if method is not None else "", run.clients_per_round, name)
     if p.target_delta(run.num_clients) >= 1.0 / run.num_clients:
         log(WARNING, "strategy.privacy.delta=%g is at least 1/num_clients (1/%d): with that probability the "
             "guarantee allows one client's whole data to leak; choose δ well below 1/N", p.target_delta(run.num_clients),
             run.num_clients)
+
+
+def check_groups(p: PrivacySettings, releases: str, sample: int, name: str) -> None:
+    """``groups`` and ``min_group_size`` against what the method releases and K = ``sample``:
+    groups only for a method that releases its models, G ≤ K, and K // G ≥ ``min_group_size``
+    (the smallest group when every selected client answers; the mean's one group is all K)."""
+    key = "strategy.privacy.groups"
+    if p.groups is not None and releases != "models":
+        raise ConfigError(key, p.groups, f"null with strategy={name} (it releases the mean of the round's updates: one "
+                          "group of all of them; groups divide the clients of a method that releases its models)")
+    groups = p.models_kept(sample) if releases == "models" else 1
+    if groups > sample:
+        raise ConfigError(key, p.groups, f"at most clients_per_round={sample} (each group needs a client)")
+    if sample // groups < p.min_group_size:
+        raise ConfigError("strategy.privacy.min_group_size", p.min_group_size,
+                          f"at most {sample // groups}: clients_per_round={sample} in {groups} group(s) of "
+                          f"strategy={name} leaves {sample // groups} client(s) in the smallest; lower it"
+                          + (f", or set {key} to at most {sample // p.min_group_size}" if releases == "models" else ""))
 
 
 def floating(model: Mapping[str, np.ndarray]) -> list[str]:
@@ -199,6 +235,46 @@ def noised(model: Mapping[str, np.ndarray], std: float, rng: np.random.Generator
     return out
 
 
+def group_releases(updates: list[ClientUpdate], groups: int, min_size: int, std: Any,
+                   rng: np.random.Generator) -> tuple[list[ClientUpdate], list[int]]:
+    """The releases of a multi-model method: the clipped ``updates`` of a round in ``groups``
+    disjoint groups (the update of slot s in group s mod G, the model its node was sent), each
+    group's unweighted mean noised with N(0, std(m_g)²) per floating coordinate, m_g the group's
+    updates that came back. Returns (one update per released group, its ``slot`` the group's
+    model; the groups withheld: fewer than ``min_size`` updates back).
+
+    Parallel composition needs each client in exactly one group: a node counted twice (in two
+    groups, or twice in one) is refused with a ValueError, as is a group whose members were sent
+    different models."""
+    members: dict[int, list[ClientUpdate]] = {}
+    seen: dict[int, int] = {}
+    for update in updates:
+        group = update.slot % groups
+        if update.node_id in seen:
+            raise ValueError(f"node {update.node_id} is counted in group {seen[update.node_id]} and in group {group}: "
+                             "parallel composition needs each client in exactly one group (a client's update in two "
+                             "releases doubles its sensitivity)")
+        seen[update.node_id] = group
+        members.setdefault(group, []).append(update)
+    released, withheld = [], []
+    for group in range(groups):
+        part = members.get(group, [])
+        if len(part) < max(1, min_size):
+            withheld.append(group)
+            continue
+        sent = part[0].sent
+        if any(u.sent is not sent for u in part):
+            raise ValueError(f"the updates of group {group} were sent different models: a group is the clients sent one "
+                             "model")
+        mean = {k: np.mean([np.asarray(u.model[k], np.float64) for u in part], axis=0) for k in floating(sent)}
+        model = {k: (mean[k].astype(np.asarray(v).dtype) if k in mean else v) for k, v in part[0].model.items()}
+        one = part[0] if len(part) == 1 else None
+        released.append(ClientUpdate(one.node_id if one else -1, group, noised(model, std(len(part)), rng),
+                                     sum(u.num_examples for u in part), dict(one.metrics) if one else {},
+                                     sent=sent))
+    return released, withheld
+
+
 class Privacy:
     """The DP stage and accountant of one run (module docstring).
 
@@ -220,6 +296,10 @@ class Privacy:
         if releases not in ("mean", "models"):
             raise ValueError(f"releases {releases!r}; allowed: mean, models")
         self.settings, self.population, self.sample, self.releases = settings, int(population), int(sample), releases
+        #: G: the groups of a models release (1 for a mean: every update in one), and the fewest
+        #: updates a group holds when every selected client answers.
+        self.groups = settings.models_kept(self.sample) if releases == "models" else 1
+        self.group_size = self.sample // self.groups
         self.delta = settings.target_delta(self.population)
         sampling = SamplingMethod.WITHOUT_REPLACEMENT if settings.sampling == "secret" else SamplingMethod.NO_AMPLIFICATION
         relation = NeighboringRelation.REPLACE_ONE if settings.sampling == "secret" else NeighboringRelation.ADD_OR_REMOVE_ONE
@@ -292,9 +372,10 @@ class Privacy:
         return float(self.settings.clip_norm)
 
     def stage(self, updates: list[ClientUpdate], rejected: list[str], names: list[str]) -> list[ClientUpdate]:
-        """Clip (or, with client clipping, check) every update against its sent model; with a
-        multi-model release, noise each. Returns the updates kept (a client-clipped update above
-        C is rejected with its reason in ``rejected``)."""
+        """Clip (or, with client clipping, check) every update against its sent model (a
+        multi-model release is noised afterwards, group by group: :func:`group_releases`).
+        Returns the updates kept (a client-clipped update above C is rejected with its reason in
+        ``rejected``)."""
         kept = []
         norms = [update_norm(u.model, u.sent) for u in updates]
         #: The round's update norms against C (how to choose C: docs/privacy.md).
@@ -308,16 +389,14 @@ class Privacy:
                                     "(the client did not clip: fixedclipping_mod)")
                     continue
             update.model = clipped(update, self.clip)
-            if self.releases == "models":
-                update.model = noised(update.model, self.noise_std(1), self.rng)
             kept.append(update)
         return kept
 
     def noise_norm(self, dimension: int) -> float:
         """The expected L2 norm of the noise on one release of a model of ``dimension`` floating
         coordinates, when every sampled client's update came back (z·2C/K per coordinate on a
-        mean, z·2C on each model of a multi-model method)."""
-        return self.noise_std(self.sample if self.releases == "mean" else 1) * math.sqrt(dimension)
+        mean, z·2C/(K // G) on the smallest group's model of a multi-model method)."""
+        return self.noise_std(self.group_size) * math.sqrt(dimension)
 
     def non_finite_hint(self) -> str:
         """What a reply rejected for NaN/Inf under DP is told: the noise is the likely cause."""
@@ -333,7 +412,8 @@ class Privacy:
         from flwr.supercore import log
 
         self.ratio = self.noise_norm(dimension) / self.clip
-        what = f"the mean of {self.sample} updates" if self.releases == "mean" else "each released model"
+        what = f"the mean of {self.sample} updates" if self.releases == "mean" else "each released model" + (
+            f" (the mean of a group of at least {self.group_size})" if self.group_size > 1 else "")
         log(INFO, "differential privacy: the noise on %s has norm ~%.3g, %.1f× clip_norm=%g (z=%g, %d coordinates)",
             what, self.noise_norm(dimension), self.ratio, self.clip, self.settings.noise_multiplier, dimension)
         if self.ratio > UNLIKELY:
@@ -371,6 +451,7 @@ class Privacy:
         return {"epsilon": self.epsilon, "delta": self.delta, "rounds_accounted": int(self.accountant.num_releases),
                 "noise_multiplier": float(self.settings.noise_multiplier), "clip_norm": self.clip,
                 "sample": self.sample, "population": self.population, "sampling": self.settings.sampling,
+                **({"groups": self.groups} if self.releases == "models" else {}),
                 "accounting": f"RDP, {self.config.sampling_method.value}, {self.config.neighboring_relation.value}"}
 
     def state_dict(self) -> dict[str, Any]:

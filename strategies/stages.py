@@ -6,7 +6,8 @@ phases), its round ends with :func:`strategies.rounds.end`, a loop over the run'
 
 ==================  ===========================================================================
 ``dp_clip``         each update clipped against the model its node was sent (and, for a
-                    method that releases its models, noised): :mod:`strategies.privacy`
+                    method that releases its models, each group's mean noised for the
+                    group's updates that came back): :mod:`strategies.privacy`
 ``defence``         screens, norm bounds, refill, each update against its sent model:
                     :mod:`strategies.defence`
 ``replies``         the round's accepted replies counted, their metrics averaged
@@ -42,7 +43,7 @@ from flwr.app import MetricRecord
 from fedmm.protocol import ClientUpdate, ModelDict
 from strategies.aggregation import non_finite_key
 from strategies.aggregators import AggregationRefused, Mean, weights_of
-from strategies.contract import MEAN, ONE_MODEL, PER_NODE, SECURE, release_of, release_refusal, steps_one_model
+from strategies.contract import MEAN, MODELS, ONE_MODEL, PER_NODE, SECURE, release_of, release_refusal, steps_one_model
 from strategies.defence import check_model, defend, refuse, refused_settings
 from strategies.evaluation import client_metrics
 
@@ -67,6 +68,9 @@ class RoundEnd:
     metrics: MetricRecord = field(default_factory=MetricRecord)
     #: Why the round failed ("" while it has not): every stage then goes back.
     failure: str = ""
+    #: What a method that releases its models aggregates under differential privacy: one noised
+    #: group mean per released group (None: ``updates`` themselves).
+    released: list[ClientUpdate] | None = None
 
 
 class Stage:
@@ -123,7 +127,8 @@ class Stage:
 
 # ============================================================================ the stages
 class PrivacyClip(Stage):
-    """Each update clipped against the model its node was sent; a multi-model release noised."""
+    """Each update clipped against the model its node was sent; a multi-model release noised,
+    group by group (:func:`strategies.privacy.group_releases`)."""
 
     name = "dp_clip"
 
@@ -147,6 +152,13 @@ class PrivacyClip(Stage):
             privacy, where = self.context.privacy, self.context.where
             end.updates = privacy.stage(end.updates, end.rejected, [where(u.node_id, u.slot) for u in end.updates])
             self.context.method.round_log.update(privacy.last)
+            if privacy.releases == MODELS:
+                from strategies.privacy import group_releases
+
+                end.released, withheld = group_releases(end.updates, privacy.groups, privacy.settings.min_group_size,
+                                                        privacy.noise_std, privacy.rng)
+                if privacy.groups < privacy.sample:
+                    self.context.method.round_log["dp_groups_withheld"] = float(len(withheld))
 
 
 class DefenceStage(Stage):
@@ -232,18 +244,19 @@ class Aggregation(Stage):
 
     def __call__(self, end: RoundEnd) -> None:
         c, method = self.context, self.context.method
-        given = end.updates + end.stand_ins
+        aggregated = (end.updates if end.released is None else end.released) + end.stand_ins
+        given = list(aggregated)
         if method.holds == PER_NODE:
             present = {u.slot for u in given}
-            members = range(method.clients_per_round) if end.members is None else end.members
+            members = range(len(method.models)) if end.members is None else end.members
             given += [ClientUpdate(-1, i, method.models[i], 0.0, {}, sent=method.models[i], trained=False)
                       for i in members if i not in present]
-        c.observers.on_aggregate(end.server_round, end.updates + end.stand_ins)
+        c.observers.on_aggregate(end.server_round, aggregated)
         try:
             end.global_model = method.aggregate(end.server_round, given, end.mean)
         except AggregationRefused as err:  # too few updates for the aggregator's f: nothing aggregated
             end.failure = (f"strategy.defence.aggregator={end.mean.aggregator} refused the round's "
-                           f"{len(end.updates + end.stand_ins)} updates ({err})")
+                           f"{len(aggregated)} updates ({err})")
 
     def snapshot(self) -> Any:
         return self.context.method.state_dict()

@@ -138,6 +138,8 @@ def test_a_secret_draw_is_not_the_runs_seed_and_a_resumed_run_draws_the_same() -
     base = ["num_clients=10", "clients_per_round=3", "strategy.privacy.clip_norm=1.0"]
     a, b = build_strategy(compose(base)), build_strategy(compose(base))
     assert a.context.selector.seed != b.context.selector.seed != 0  # the operating system's entropy
+    assert min(a.context.privacy.seed, b.context.privacy.seed) > 2**40  # a 63-bit secret (false alarm: 2^-22)
+    assert a.context.privacy.epsilon == 0.0 and a.context.privacy.accountant.num_releases == 0
     b.context.load_state_dict({**a.context.state_dict(), "models": [ZERO], "global_model": ZERO})
     assert b.context.selector.seed == a.context.selector.seed and b.context.privacy.seed == a.context.privacy.seed
     public = build_strategy(compose([*base, "strategy.privacy.sampling=public"]))
@@ -299,3 +301,132 @@ def test_a_run_says_the_noise_against_c_and_warns_when_it_buries_the_signal(capl
     assert loud.context.privacy.ratio > UNLIKELY and "each released model" in caplog.text
     assert "unlikely to learn" in caplog.text
     assert any("under differential privacy the likely cause is the noise" in r for r in loud.context.last_round.rejections)
+
+
+# ------------------------------------------------------------------ every release pinned (issue 66)
+def failing_on(keys: set[str], node):  # noqa: ANN001, ANN201
+    """``node``, except that the nodes of ``keys`` answer with an error."""
+
+    def answer(msg: Message, key: str) -> RecordDict:
+        if key in keys:
+            raise RuntimeError("this client fails")
+        return node(msg, key)
+
+    return answer
+
+
+def test_a_mean_release_is_noised_for_the_updates_that_came_back() -> None:
+    """FedAvg, 6 of 6 clients selected, 2 fail: the mean of the 4 updates back carries noise of
+    std z·2C/4 (the sensitivity of a mean of 4), not z·2C/6 (the 6 selected)."""
+    s = run_rounds(["num_clients=6", "clients_per_round=6", "strategy.privacy.clip_norm=1.0",
+                    "strategy.privacy.noise_multiplier=0.5"],
+                   failing_on({"partition:000000000", "partition:000000003"}, returning()))
+    assert s.context.last_round.replies == 4
+    model = np.concatenate([s.models[0]["a.weight"], s.models[0]["b.weight"]])
+    assert within(model.std(), 0.5 * 2 * 1.0 / 4, model.size), model.std()
+
+
+OPTIMIZERS = [["server_optimizer=fedavgm", "server_optimizer.server_momentum=0.9"], ["server_optimizer=fedadam"],
+              ["server_optimizer=fedyogi"], ["server_optimizer=fedadagrad"]]
+PRIVATE_MEAN = ["num_clients=10", "clients_per_round=5", "strategy.privacy.clip_norm=1.0",
+                "strategy.privacy.noise_multiplier=0.5"]
+
+
+def state_equal(a, b) -> bool:  # noqa: ANN001
+    """Two optimizer states (dicts of None or of arrays by key) equal bit for bit."""
+    return a.keys() == b.keys() and all(
+        (a[n] is None and b[n] is None) or (a[n] is not None and b[n] is not None and a[n].keys() == b[n].keys()
+                                            and all(np.array_equal(a[n][k], b[n][k]) for k in a[n]))
+        for n in a)
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: o[0].split("=")[1])
+def test_the_server_optimizer_steps_from_the_noised_mean_never_the_clean_one(optimizer: list[str]) -> None:
+    """Zero updates, so the clean mean is the model sent: a step from it would leave the model and
+    the moments at zero. The optimizer's state and the new model are those of one step from the
+    noised mean the DP stage released (recorded as it left the stage)."""
+    run = compose([*PRIVATE_MEAN, *optimizer])
+    s = build_strategy(run)
+    privacy, released = s.context.privacy, []
+    release = privacy.release
+    privacy.release = lambda model, m: released.append(release(model, m)) or released[-1]
+    s.start(FakeGrid(returning(), num_nodes=10), protocol.model_to_record(ZERO), num_rounds=1, final_report=False)
+    assert len(released) == 1 and released[0]["a.weight"].std() > 0.1
+    fresh = run.server_optimizer.build()
+    expected = fresh.step(1, ZERO, released[0])
+    assert all(np.array_equal(s.models[0][k], expected[k]) for k in ZERO)
+    assert state_equal(s.context.optimizer.state_dict(), fresh.state_dict())
+    clean = run.server_optimizer.build()
+    clean.step(1, ZERO, ZERO)
+    assert not state_equal(s.context.optimizer.state_dict(), clean.state_dict())
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: o[0].split("=")[1])
+def test_a_rejected_round_leaves_the_optimizers_moments_and_the_accountant_as_they_were(optimizer: list[str]) -> None:
+    """Round 2 fails after the accountant composed it (a stage planted after ``accounting``): the
+    optimizer's moments, the accountant (releases, ε), the model and the noise's generator are
+    as round 1 left them. A round whose noised mean overflows (NaN/Inf: the ``finite`` stage)
+    leaves the optimizer without moments and the accountant without a release."""
+    import copy
+
+    from strategies.stages import Stage
+
+    class FailsRoundTwo(Stage):
+        name = "planted"
+
+        def __call__(self, end) -> None:  # noqa: ANN001
+            if end.server_round == 2:
+                end.failure = "planted failure"
+
+    after_one: dict = {}
+
+    class AfterRoundOne(RunObserver):
+        def on_round_end(self, server_round: int) -> None:
+            if server_round == 1:
+                c = s.context
+                after_one.update(optimizer=copy.deepcopy(c.optimizer.state_dict()), epsilon=c.privacy.epsilon,
+                                 model=s.models[0], rng=copy.deepcopy(c.privacy.rng.bit_generator.state))
+
+    s = build_strategy(compose([*PRIVATE_MEAN, *optimizer]), [AfterRoundOne()])
+    stages = s.context.stages
+    stages.insert([stage.name for stage in stages].index("accounting") + 1, FailsRoundTwo(s.context))
+    s.start(FakeGrid(returning(0.01), num_nodes=10), protocol.model_to_record(ZERO), num_rounds=2, final_report=False)
+    privacy = s.context.privacy
+    assert s.context.last_round.failure == "planted failure"
+    assert privacy.accountant.num_releases == 1 and privacy.epsilon == after_one["epsilon"]
+    assert state_equal(s.context.optimizer.state_dict(), after_one["optimizer"])
+    assert s.models[0] is after_one["model"] and privacy.rng.bit_generator.state == after_one["rng"]
+
+    overflow = run_rounds([*PRIVATE_MEAN[:3], "strategy.privacy.noise_multiplier=1e39", *optimizer], returning())
+    assert "NaN/Inf" in overflow.context.last_round.failure
+    assert state_equal(overflow.context.optimizer.state_dict(), type(overflow.context.optimizer)().state_dict())
+    assert overflow.context.privacy.accountant.num_releases == 0
+
+
+def test_client_clipping_allows_float_rounding_above_c_and_nothing_more() -> None:
+    """With client clipping an update of norm C·(1 + 5e-5) (the mod's float32 rounding) is
+    accepted, one of C·(1 + 5e-4) is rejected with its norm."""
+    base = ["num_clients=4", "clients_per_round=4", "strategy.privacy.clip_norm=1.0", "strategy.privacy.clipping=client"]
+    ok = run_rounds(base, returning((1 + 5e-5) / np.sqrt(2), directions=True))
+    assert ok.context.last_round.replies == 4, ok.context.last_round.rejections
+    above = run_rounds(base, returning((1 + 5e-4) / np.sqrt(2), directions=True))
+    assert above.context.last_round.replies == 0
+    assert all("is above clip_norm 1 (the client did not clip" in r for r in above.context.last_round.rejections)
+
+
+def test_the_noise_multiplier_for_a_budget_is_the_smallest_that_keeps_it() -> None:
+    """noise_multiplier_for's z keeps 3 rounds of 5 of 10 within ε = 4 at δ = 1e-3 by Google's
+    dp-accounting, and 0.3 % less would not."""
+    from dp_accounting import dp_event, privacy_accountant
+    from dp_accounting.rdp import rdp_privacy_accountant as rdp
+
+    from strategies.privacy import noise_multiplier_for
+
+    def epsilon(z: float) -> float:
+        accountant = rdp.RdpAccountant(neighboring_relation=privacy_accountant.NeighboringRelation.REPLACE_ONE)
+        accountant.compose(dp_event.SampledWithoutReplacementDpEvent(10, 5, dp_event.GaussianDpEvent(z)), 3)
+        return accountant.get_epsilon(1e-3)
+
+    z = noise_multiplier_for(4.0, 1e-3, 3, 5, 10)
+    assert epsilon(z) <= 4.0 < epsilon(z * 0.997), (z, epsilon(z))
+    assert noise_multiplier_for(4.0, 1e-3, 3, 5, 10, sampling="public") > z  # no amplification: more noise
