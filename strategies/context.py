@@ -34,6 +34,7 @@ from strategies.privacy import Privacy
 from strategies.selection import ClientSelector, SeededRosterSelector
 from strategies.server_optimizer import ServerOptimizer
 from strategies.stages import round_end_stages
+from strategies.trust import ReferenceTrainer
 
 #: Called after every round with (round, global arrays, result so far).
 RoundEnd = Any
@@ -76,6 +77,9 @@ class RunContext:
         self.optimizer = optimizer
         #: Central differential privacy (strategies/privacy.py; None: off).
         self.privacy = Privacy.attach(self)
+        #: The server's training on its root set for the trust stage (strategies/trust.py):
+        #: (the model a node was sent, the round) -> the model trained from it; the runner sets it.
+        self.reference: ReferenceTrainer | None = None
         #: The stages of every round's end, in order (strategies/stages.py).
         self.stages = round_end_stages(self)
         #: The driver of the rounds (strategies/drivers.py).
