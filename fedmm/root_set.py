@@ -35,10 +35,21 @@ def split_root(test: TensorData, rows: int, seed: int) -> tuple[TensorData, Tens
     return test.subset(np.sort(order[:rows])), test.subset(np.sort(order[rows:]))
 
 
+def client_steps(training: TrainingSettings, train_rows: int, num_clients: int) -> int:
+    """The SGD steps of a client's round: ``local_steps``, else ``local_epochs`` passes over a
+    partition of the mean size (``train_rows`` / ``num_clients``) in batches of ``batch_size``."""
+    if training.local_steps is not None:
+        return int(training.local_steps)
+    return int(training.local_epochs) * max(1, -(-train_rows // max(num_clients, 1)) // training.batch_size)
+
+
 class RootTrainer:
     """(the model a node was sent, the round) → the model trained from it on the root set, with the
-    clients' local training (``training``: epochs or steps, batch size, the round's lr, momentum,
-    weight decay, gradient clipping) and plain cross-entropy: FLTrust's server update.
+    clients' local training (``steps``: a client's SGD steps of a round, :func:`client_steps`, the
+    paper's R local iterations, passes over the root set reshuffled; ``training``: batch size, the
+    round's lr, momentum, weight decay, gradient clipping) and plain cross-entropy: FLTrust's
+    server update. With fewer steps than the clients its update would be shorter than theirs, and
+    rescaling every update to its norm would slow the run down.
 
     Parameters
     ----------
@@ -48,16 +59,18 @@ class RootTrainer:
         The root set.
     training : TrainingSettings
         The run's local training.
+    steps : int
+        SGD steps per round (:func:`client_steps`).
     seed : int
         The run's seed (the batches of round r are drawn from seed and r).
     device : torch.device
         Where it trains.
     """
 
-    def __init__(self, model: nn.Module, root: TensorData, training: TrainingSettings, seed: int,
+    def __init__(self, model: nn.Module, root: TensorData, training: TrainingSettings, steps: int, seed: int,
                  device: torch.device) -> None:
         self.model = copy.deepcopy(model).to(device)
-        self.root, self.training, self.seed, self.device = root, training, seed, device
+        self.root, self.training, self.steps, self.seed, self.device = root, training, steps, seed, device
 
     def __call__(self, sent: dict[str, np.ndarray], server_round: int) -> dict[str, Any]:
         t = self.training
@@ -66,9 +79,8 @@ class RootTrainer:
         optimizer = torch.optim.SGD(self.model.parameters(), lr=round_lr(t, server_round), momentum=t.momentum,
                                     weight_decay=t.weight_decay)
         generator = torch.Generator().manual_seed(self.seed * 100_003 + server_round + ROOT_SEED_OFFSET)
-        steps, epochs = t.local_steps, t.local_epochs if t.local_steps is None else None
-        taken, passes = 0, 0
-        while (epochs is None or passes < epochs) and (steps is None or taken < steps):
+        taken = 0
+        while taken < self.steps:
             for x, y in batches(self.root, t.batch_size, shuffle=True, generator=generator, device=self.device):
                 optimizer.zero_grad(set_to_none=True)
                 F.cross_entropy(self.model(x), y).backward()
@@ -76,7 +88,6 @@ class RootTrainer:
                     torch.nn.utils.clip_grad_norm_(self.model.parameters(), float(t.clip_grad_norm))
                 optimizer.step()
                 taken += 1
-                if steps is not None and taken == steps:
+                if taken == self.steps:
                     break
-            passes += 1
         return {k: v.detach().cpu().numpy() for k, v in self.model.state_dict().items()}
