@@ -130,7 +130,7 @@ class SyncRound:
             for update in updates:
                 update.sent = method.models[model_index(method, update.slot)]
             result = end(c, server_round, updates, rejected)
-        log_train_round(server_round, c.last_round.replies, sent, rejected)
+        log_train_round(server_round, c.last_round.replies, sent, rejected, c.last_round.failure)
         return result
 
     def run(self, server_round: int, grid: Grid, arrays: ArrayRecord, config: ConfigRecord,
