@@ -3,9 +3,9 @@
 A method (:class:`strategies.method.Method`) is its models and its arithmetic. What runs it is
 its :class:`RunContext` (``strategy.context``): the client selector, the virtual clock, the
 reply ledger, the observers, Flower's record conventions, the stages of every round's end
-(:mod:`strategies.stages`: the DP clip, the defence screens, the selector's observation, the
-weighting, the method's aggregate, the DP release, the server optimizer, the NaN guard, the
-accounting), the driver of its rounds (:mod:`strategies.drivers`: synchronous, asynchronous or
+(:mod:`strategies.stages`: the DP clip, the defence screens, the trust stage, the selector's
+observation, the weighting, the method's aggregate, the DP release, the server optimizer, the NaN
+guard, the accounting), the driver of its rounds (:mod:`strategies.drivers`: synchronous, asynchronous or
 secure, chosen by the settings) and the loop of ``start``. Its :meth:`RunContext.state_dict` is a
 checkpoint: the method's state, the selector's, the clock's, the driver's and each stage's.
 """
