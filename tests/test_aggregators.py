@@ -153,6 +153,7 @@ def test_a_run_made_with_the_retired_robust_mean_resumes_as_it_ran() -> None:
      {"screen": 0.0, "sign_screen": 0.5, "adaptive_clip": 2.0, "adaptive_clip_to": "median"}),
     ("per_model", ("fedmr", "fedcross", "fedmr_async"),
      {"sign_screen": 0.5, "adaptive_clip": 2.0, "adaptive_clip_to": "median", "norm_screen": 3.0, "refill": "median"}),
+    ("trust", ("fedavg", "scaffold", "fedmr", "fedcross", "fedmut", "fedbuff"), {"trust_root": 100}),
 ])
 def test_each_defence_preset_composes_with_its_methods_and_sets_what_it_says(preset: str, strategies: tuple[str, ...],
                                                                               expected: dict) -> None:

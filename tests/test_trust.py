@@ -101,3 +101,44 @@ def test_without_the_servers_training_the_stage_says_what_is_missing() -> None:
     with pytest.raises(RuntimeError, match=r"strategy.defence.trust_root=10 needs the server's training on its root set"):
         strategy.start(FakeGrid(node_fn(STEPS), num_nodes=4), protocol.model_to_record(
             {"w": np.zeros(2, np.float32), "n": np.array(0)}), num_rounds=1, final_report=False)
+
+
+def test_the_root_set_is_drawn_from_the_test_split_and_left_out_of_its_evaluation() -> None:
+    """The root rows and the rows the server still evaluates on split the test split; the draw
+    follows the seed; a root set as large as the split is refused naming the setting."""
+    import torch
+
+    from fedmm.data import TensorData
+    from fedmm.errors import ConfigError
+    from fedmm.root_set import split_root
+
+    test = TensorData(x=torch.arange(40, dtype=torch.float32).reshape(20, 1, 2, 1), y=torch.arange(20) % 10)
+    root, rest = split_root(test, 5, seed=0)
+    assert len(root) == 5 and len(rest) == 15
+    assert sorted(root.x.flatten().tolist() + rest.x.flatten().tolist()) == list(range(40))
+    assert torch.equal(split_root(test, 5, seed=0)[0].x, root.x) and not torch.equal(split_root(test, 5, seed=1)[0].x, root.x)
+    with pytest.raises(ConfigError) as err:
+        split_root(test, 20, seed=0)
+    assert err.value.key == "strategy.defence.trust_root" and "20" in str(err.value)
+
+
+def test_the_reference_takes_a_clients_steps_of_a_round() -> None:
+    """A client of the mean partition (4,000 rows over 10 clients, batches of 50) takes 8 steps an
+    epoch: the server takes as many over its root set, however small; local_steps when set."""
+    import torch
+
+    from fedmm.data import TensorData
+    from fedmm.root_set import RootTrainer, client_steps
+    from fedmm.training import TrainingSettings
+
+    assert client_steps(TrainingSettings(local_epochs=2), 4000, 10) == 16
+    assert client_steps(TrainingSettings(local_steps=5), 4000, 10) == 5
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 3))
+    root = TensorData(x=torch.randn(10, 1, 2, 2), y=torch.arange(10) % 3)
+    counted = []
+    trainer = RootTrainer(model, root, TrainingSettings(batch_size=4, lr=0.1), steps=7, seed=0, device=torch.device("cpu"))
+    trainer.model.register_forward_hook(lambda *_: counted.append(1))
+    sent = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+    trained = trainer(sent, 1)
+    assert len(counted) == 7 and not np.allclose(trained["1.weight"], sent["1.weight"])
+    np.testing.assert_array_equal(trainer(sent, 1)["1.weight"], trained["1.weight"])  # the same round, the same update
