@@ -1,18 +1,25 @@
 """The field's attacks against each defence, as the Byzantine-robustness literature measures them.
 
     .venv/bin/python bench/field_attacks.py [--methods fedavg fedmr fedcross scaffold] [--seeds 0 1 2]
-        [--defences none nnm bucketing default] [--rounds 8] [--out-dir bench/results/field]
+        [--defences none nnm bucketing default trust] [--attacks alie ... absent] [--rounds 8]
+        [--out-dir bench/results/field]
     .venv/bin/python bench/field_attacks.py --table [--out-dir bench/results/field]    # no runs: the table
+    .venv/bin/python bench/field_attacks.py --goal [--out-dir bench/results/field]     # no runs: the goal's count
 
 For each method, defence and seed, one simulation of bench/faults.py's attack experiments (10
 nodes all in every round, Dir(0.5) on the embedded data, one local epoch, ``--rounds`` rounds):
 the clean run, the federation without the hostile nodes (``absent``), and each attack with one and
 two hostile nodes of ten: byzfl's ALIE, IPM, Mimic and the optimized ALIE and IPM (colluding,
-omniscient: computed from the honest updates of the same round) and label flipping. The defences:
+omniscient: computed from the honest updates of the same round; the optimized ones search their
+factor against the aggregator chain only: the "untuned" rows), the tuned ALIE, IPM and Mimic
+(bench/faults.py ``TUNED``: their factor, or whom Mimic copies, searched against the whole
+defence the round applies, screens and trust included) and label flipping. The defences:
 
 - ``none``: no defence;
 - ``nnm``: byzfl's nearest-neighbour mixing, then its trimmed mean, f = 2 (Allouah et al. 2023);
 - ``bucketing``: byzfl's bucketing (s = 2), then its trimmed mean, f = 2 (Karimireddy et al. 2022);
+- ``trust``: the trust stage, FLTrust's rule against a root set of 100 rows of the test split
+  (``strategy.defence.trust_root=100``, the preset ``+strategy/defence=trust``);
 - ``default``: the preset each method gets (``+strategy/defence=<preset>``, :data:`DEFAULTS`): the
   stage of screens and adaptive clipping, and for FedMR and FedCross the norm screen with refill
   (bench/faults.py ``default_defence`` composes to the same settings: tests/test_aggregators.py).
@@ -21,7 +28,8 @@ omniscient: computed from the honest updates of the same round) and label flippi
 and take no mean of their updates (only their evaluated global model would change), so they are
 measured with ``none`` and ``default`` only.
 
-Each (method, defence, seed) writes one JSON file (resumable: a file present is not run again).
+Each (method, defence, seed) writes one JSON file (resumable: the experiments of ``--attacks``
+a file lacks are run, with the clean run when it lacks that, and merged into it).
 ``--table`` prints, per method, attack and hostile count, the final accuracy (mean over the seeds
 present) of each defence, with the paired gap (seed by seed) to the clean run and to the run
 without the hostile nodes of the same defence.
