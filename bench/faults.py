@@ -259,9 +259,33 @@ class DefendedAggregate:
         self.settings = DefenceSettings.from_dict({**DefenceSettings().to_dict(), **(defence or {})})
         self.hostile, self.per_node = hostile, per_node
         self.layout: list[tuple[str, tuple[int, ...]]] = []
+        #: The coordinates the search judges candidates on (None: all; :meth:`see`).
+        self.index: np.ndarray | None = None
 
     def see(self, layout: list[tuple[str, tuple[int, ...]]]) -> None:
-        self.layout = layout
+        """The model's floating entries and shapes. An entry of more than :data:`SEARCH_WHOLE`
+        values is judged on a fixed random :data:`SEARCH_SHARE` of them (as a flat entry), the
+        others whole (the output layer, which the class screen reads, among them): one candidate
+        set of ten updates of the CNN's 1.66 M weights took 4 s through the defence, its 5 %
+        0.2 s. ALIE, IPM and Mimic act coordinate by coordinate, so a candidate's coordinates
+        are the same there whichever others are left out."""
+        rng = np.random.default_rng(0)
+        index, self.layout, start = [], [], 0
+        for key, shape in layout:
+            size = int(np.prod(shape))
+            if size > SEARCH_WHOLE:
+                keep = np.sort(rng.choice(size, max(SEARCH_WHOLE, int(SEARCH_SHARE * size)), replace=False))
+                index.append(start + keep)
+                self.layout.append((key, (len(keep),)))
+            else:
+                index.append(start + np.arange(size))
+                self.layout.append((key, tuple(shape)))
+            start += size
+        self.index = np.concatenate(index)
+
+    def view(self, vectors: np.ndarray) -> np.ndarray:
+        """``vectors`` (n, d) on the coordinates the search judges (:meth:`see`)."""
+        return vectors if self.index is None else vectors[:, self.index]
 
     def _model(self, vector: np.ndarray) -> dict[str, np.ndarray]:
         layout = self.layout or [("w", (vector.size,))]
@@ -316,26 +340,29 @@ class TunedFactor:
         self.tau = 0.0
 
     def __call__(self, honest: np.ndarray) -> np.ndarray:
-        honest = np.asarray(honest, np.float64)
-        mean = honest.mean(axis=0)
+        full = np.asarray(honest, np.float64)
+        seen = self.agg.view(full)
+        mean = seen.mean(axis=0)
 
-        def harm(tau: float) -> tuple[float, np.ndarray]:
-            vector = np.asarray(self.make(float(tau))(honest.copy()), np.float64)
-            step = self.agg(np.concatenate([honest, np.repeat(vector[None], self.hostile, axis=0)]))
-            return float(np.linalg.norm(step - mean)), vector
+        def harm(tau: float) -> float:
+            vector = np.asarray(self.make(float(tau))(seen.copy()), np.float64)
+            step = self.agg(np.concatenate([seen, np.repeat(vector[None], self.hostile, axis=0)]))
+            return float(np.linalg.norm(step - mean))
 
         taus = list(TAUS)
-        scores = [harm(t)[0] for t in taus]
+        scores = [harm(t) for t in taus]
         best = int(np.argmax(scores))
         low, high = taus[max(best - 1, 0)], taus[min(best + 1, len(taus) - 1)]
         fine = list(np.linspace(low, high, 9))
-        fine_scores = [harm(t)[0] for t in fine]
+        fine_scores = [harm(t) for t in fine]
         self.tau = float(fine[int(np.argmax(fine_scores))]) if max(fine_scores) > scores[best] else float(taus[best])
-        return harm(self.tau)[1]
+        return np.asarray(self.make(self.tau)(full.copy()), np.float64)
 
 
 #: The factors a tuned attack tries first (then a finer grid around the best).
 TAUS = tuple(np.geomspace(0.05, 500.0, 25))
+#: A tuned attack judges an entry of more values than this on a share of them (DefendedAggregate.see).
+SEARCH_WHOLE, SEARCH_SHARE = 10_000, 0.05
 
 
 class TunedMimic:
@@ -346,11 +373,12 @@ class TunedMimic:
         self.agg, self.hostile = agg, hostile
 
     def __call__(self, honest: np.ndarray) -> np.ndarray:
-        honest = np.asarray(honest, np.float64)
-        mean = honest.mean(axis=0)
-        harm = [np.linalg.norm(self.agg(np.concatenate([honest, np.repeat(h[None], self.hostile, axis=0)])) - mean)
-                for h in honest]
-        return honest[int(np.argmax(harm))]
+        full = np.asarray(honest, np.float64)
+        seen = self.agg.view(full)
+        mean = seen.mean(axis=0)
+        harm = [np.linalg.norm(self.agg(np.concatenate([seen, np.repeat(h[None], self.hostile, axis=0)])) - mean)
+                for h in seen]
+        return full[int(np.argmax(harm))]
 
 
 def colluding_attack(name: str, hostile: int, defence: dict | None = None, per_node: bool = False):  # noqa: ANN201
