@@ -325,3 +325,18 @@ def test_the_tuned_mimic_copies_the_update_that_moves_the_defended_step_farthest
     copied = faults.colluding_attack("tunedmimic", 1, PER_MODEL_PRESET, per_node=True)(honest.copy())
     np.testing.assert_array_equal(copied, honest[int(np.argmax(harms))])
     assert int(np.argmax(harms)) not in (0, 3)  # byzfl's Mimic copies the first; the plain mean's choice is node 3
+
+
+def test_the_tuned_search_judges_a_share_of_a_large_entry_and_answers_on_every_coordinate() -> None:
+    """An entry above SEARCH_WHOLE values is judged on a share of them, the output layer whole; the
+    hostile update is ALIE at the chosen factor on every coordinate of the honest updates."""
+    import byzfl
+
+    layout = [("body.weight", (300, 100)), ("head.weight", (10, 30)), ("head.bias", (10,))]
+    honest = honest_round(d=30_310)
+    attack = faults.colluding_attack("tunedalie", 2, PER_MODEL_PRESET, per_node=True)
+    attack.agg.see(layout)
+    assert attack.agg.layout == [("body.weight", (faults.SEARCH_WHOLE,)), ("head.weight", (10, 30)), ("head.bias", (10,))]
+    assert len(attack.agg.index) == faults.SEARCH_WHOLE + 310 and attack.agg.index[-310:].tolist() == list(range(30_000, 30_310))
+    vector = attack(honest.copy())
+    np.testing.assert_allclose(vector, byzfl.ALittleIsEnough(tau=attack.tau)(honest.copy()))
