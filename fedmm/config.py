@@ -350,7 +350,8 @@ class RunSettings(Settings):
     resume: str | None = setting(None, Nullable(Str(), "null or the directory of a run to continue"),
                                  "a run directory to continue from its checkpoint")
     max_failed_rounds: int = setting(3, Int(min=0, allowed="an integer >= 0 (0: never stop for lack of replies)"),
-                                     "stop as failed after this many consecutive rounds with no accepted reply")
+                                     "stop as failed after this many consecutive rounds with no accepted reply or nothing aggregated "
+                                     "(the aggregator refused the round's updates, NaN/Inf): the last round's reason is the run's")
     min_nodes_timeout: float = setting(600, Number(ge=0, allowed="seconds >= 0 to wait for enough SuperNodes (0: forever)"),
                                        "seconds to wait for clients_per_round SuperNodes to connect")
     round_timeout: float = setting(3600, Number(gt=0, allowed="seconds > 0"), "seconds to wait for the replies of one round")

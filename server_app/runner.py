@@ -31,6 +31,7 @@ from fedmm.evaluation import resolve_device
 from fedmm.interrupt import raise_if_stopped
 from fedmm.observers import Observers, RunObserver, StopRun
 from fedmm.models import model_for
+from fedmm.root_set import RootTrainer, client_steps, split_root
 from server_app.checkpoint import Checkpointer, load_checkpoint, restore_rng_states
 from server_app.recording import RunLock, RunRecorder, atomic_file, build_trackers, create_run_dir
 from server_app.tracking import run_info
@@ -238,6 +239,12 @@ def run_locked(grid: Grid, run: RunSettings, run_dir: Path, checkpoint: dict[str
             log(INFO, "fedmm: %d of %d vocabulary words initialised from %s", found, len(vectors) - 2, d.embeddings_path)
         strategy = build_strategy(run, watchers)
         device = resolve_device(run.training.device)
+        if run.strategy.defence.trust_root is not None:  # FLTrust's root set: rows of the test split, no longer scored
+            root, test = split_root(test, run.strategy.defence.trust_root, run.seed)
+            steps = client_steps(run.training, len(train), run.num_clients)
+            strategy.context.reference = RootTrainer(model, root, run.training, steps, run.seed, device)
+            log(INFO, "fedmm: the server's root set is %d rows of the test split (it evaluates on the other %d); its "
+                "reference update takes %d SGD steps a round, as a client of the mean partition", len(root), len(test), steps)
         eval_every = run.eval_every
         checkpoint_every = run.checkpoint_every
         start_round, seconds_before = 1, 0.0

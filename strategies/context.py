@@ -3,9 +3,9 @@
 A method (:class:`strategies.method.Method`) is its models and its arithmetic. What runs it is
 its :class:`RunContext` (``strategy.context``): the client selector, the virtual clock, the
 reply ledger, the observers, Flower's record conventions, the stages of every round's end
-(:mod:`strategies.stages`: the DP clip, the defence screens, the selector's observation, the
-weighting, the method's aggregate, the DP release, the server optimizer, the NaN guard, the
-accounting), the driver of its rounds (:mod:`strategies.drivers`: synchronous, asynchronous or
+(:mod:`strategies.stages`: the DP clip, the defence screens, the trust stage, the selector's
+observation, the weighting, the method's aggregate, the DP release, the server optimizer, the NaN
+guard, the accounting), the driver of its rounds (:mod:`strategies.drivers`: synchronous, asynchronous or
 secure, chosen by the settings) and the loop of ``start``. Its :meth:`RunContext.state_dict` is a
 checkpoint: the method's state, the selector's, the clock's, the driver's and each stage's.
 """
@@ -34,6 +34,7 @@ from strategies.privacy import Privacy
 from strategies.selection import ClientSelector, SeededRosterSelector
 from strategies.server_optimizer import ServerOptimizer
 from strategies.stages import round_end_stages
+from strategies.trust import ReferenceTrainer
 
 #: Called after every round with (round, global arrays, result so far).
 RoundEnd = Any
@@ -76,6 +77,9 @@ class RunContext:
         self.optimizer = optimizer
         #: Central differential privacy (strategies/privacy.py; None: off).
         self.privacy = Privacy.attach(self)
+        #: The server's training on its root set for the trust stage (strategies/trust.py):
+        #: (the model a node was sent, the round) -> the model trained from it; the runner sets it.
+        self.reference: ReferenceTrainer | None = None
         #: The stages of every round's end, in order (strategies/stages.py).
         self.stages = round_end_stages(self)
         #: The driver of the rounds (strategies/drivers.py).

@@ -61,6 +61,12 @@ FedCross and FedMut are defended one by one:
   update far from the others can be rejected in a round without any attacker (the f largest
   are always rejected). With ``refill`` the rejected slots take the round's median update.
 
+- ``trust_root``: FLTrust (Cao et al., NDSS 2021): the server trains a reference update on a
+  root set of this many rows no client trains on, from the model each node was sent, and each
+  update is weighted by ReLU(cosine) to it and rescaled to its norm. A stage of its own, after
+  this one (:mod:`strategies.trust`, :class:`strategies.stages.Trust`); the runner provides the
+  server's training (``RunContext.reference``).
+
 The other half is the mean a method takes of client models (FedAvg's aggregate, the
 multi-model methods' global model, every one-model method's mean step, FedBuff's buffer):
 ``aggregator`` (with ``pre_aggregators`` and ``f``) makes it one of byzfl's robust
@@ -100,7 +106,7 @@ class DefenceSettings(Settings):
     #: Declared after runs were made: the values that reproduce those runs (the stage off).
     added = {"adaptive_clip": None, "adaptive_clip_to": "bound", "screen": None, "sign_screen": None,
              "norm_screen": None, "class_screen": None, "refill": "none", "krum_screen": False, "aggregator": "mean",
-             "pre_aggregators": [], "f": 0, "bucket_size": 2, "clip_threshold": 2.0}
+             "pre_aggregators": [], "f": 0, "bucket_size": 2, "clip_threshold": 2.0, "trust_root": None}
     #: The robust mean of our own that byzfl's aggregators replaced: what a run made with it had.
     retired = {"robust_mean": lambda how: _retired_robust_mean(how), "trim_fraction": lambda _: {}}
     clip_update_norm: float | None = setting(None, Nullable(Number(gt=0), "null (off) or an L2 norm > 0"),
@@ -138,6 +144,11 @@ class DefenceSettings(Settings):
     krum_screen: bool = setting(False, Bool(), "reject the f updates with the largest Krum scores (each update's "
                                 "summed squared distance to its n - f - 2 nearest others: MultiKrum's selection, "
                                 "Blanchard et al. 2017); needs f >= 1 and n > 2f + 2 updates", label="Krum screen")
+    trust_root: int | None = setting(None, Nullable(Int(min=1), "null (off) or a number of rows >= 1"),
+                                     "FLTrust (Cao et al. 2021): the server trains a reference update on this many "
+                                     "rows of the test split (which no client trains on, and the server no longer "
+                                     "evaluates on), from the model each node was sent; each update is weighted by "
+                                     "ReLU(cosine) to it and rescaled to its norm", label="FLTrust root {} rows")
     aggregator: str = setting("mean", Choice("mean", *AGGREGATORS),
                               "mean: the method's own (weighted) mean | any of byzfl's robust aggregators, which "
                               "take the place of every mean a method takes of client models (unweighted)",
@@ -212,7 +223,7 @@ def _retired_robust_mean(how: str) -> dict[str, object]:
 REJECTING = ("screen", "sign_screen", "norm_screen", "class_screen", "krum_screen")
 SWITCHES = ("clip_update_norm", "adaptive_clip", *REJECTING)
 #: The stage's settings (those acting on each update, before the method), and the mean's.
-STAGE = (*SWITCHES, "adaptive_clip_to", "refill")
+STAGE = (*SWITCHES, "adaptive_clip_to", "refill", "trust_root")
 MEAN = ("aggregator", "pre_aggregators", "bucket_size", "clip_threshold")
 #: What a method holds (:attr:`strategies.method.Method.holds`): one model sent to every node; a
 #: model per node of the round (K models, model i to the i-th node); a model per client (SOLO).

@@ -44,9 +44,11 @@ class RoundOutcome:
 
     def why_failed(self, rounds: int, last: int, limit: int) -> str:
         """The reason of a run that ``rounds`` failed rounds in a row, up to ``last``, ended."""
-        why = self.failure or (self.rejections[0] if self.rejections else "no node was selected")
-        return (f"no client reply was accepted in {rounds} consecutive rounds ({last - rounds + 1}..{last}; "
-                f"max_failed_rounds={limit}); {'the last: ' if self.failure else 'e.g. '}{why}")
+        span = f"{rounds} consecutive rounds ({last - rounds + 1}..{last}; max_failed_rounds={limit})"
+        if self.failure:  # replies came back, and the round's end refused them (the aggregator, NaN/Inf)
+            return f"{self.failure}: nothing was aggregated in {span}, the last one's reason given"
+        why = self.rejections[0] if self.rejections else "no node was selected"
+        return f"no client reply was accepted in {span}; e.g. {why}"
 
 
 @dataclass(frozen=True)

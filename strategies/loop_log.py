@@ -104,12 +104,14 @@ def log_round(name: str, train_metrics: MetricRecord | None, round_log: Mapping[
         log(INFO, "\t└──> %s: %s", name, metrics_text(round_log))
 
 
-def log_train_round(server_round: int, accepted: int, sent: int, rejected: list[str]) -> None:
-    """The line of a round's train replies, and one per rejection."""
+def log_train_round(server_round: int, accepted: int, sent: int, rejected: list[str], failure: str = "") -> None:
+    """The line of a round's train replies, one per rejection, and why the round's end failed (when it did)."""
     log(INFO, "aggregate_train: Received %s results and %s failures (round %d: %d/%d replies accepted)",
         accepted, sent - accepted, server_round, accepted, sent)
     for reason in rejected:
         log(WARNING, "\t> rejected: %s", reason)
+    if failure:
+        log(WARNING, "\t> the round's end failed, nothing aggregated: %s", failure)
 
 
 def log_end(result: MultiModelResult, started: float, final_report: bool) -> None:

@@ -3,7 +3,7 @@
 Whatever drives a method (the synchronous round here, the asynchronous loop of
 :mod:`strategies.asynchronous`, secure recombination's phases), a round starts with :func:`begin`
 and ends with :func:`end`, a loop over the run's stages (:mod:`strategies.stages`: the DP clip,
-the defence screens, the selector's observation, the weighting, the method's aggregate, the DP
+the defence screens, the trust stage, the selector's observation, the weighting, the method's aggregate, the DP
 release, the server optimizer, the NaN guard, the accounting, the commit). No method can skip a
 stage: a method is only asked for its :meth:`~strategies.method.Method.aggregate`.
 """
@@ -130,7 +130,7 @@ class SyncRound:
             for update in updates:
                 update.sent = method.models[model_index(method, update.slot)]
             result = end(c, server_round, updates, rejected)
-        log_train_round(server_round, c.last_round.replies, sent, rejected)
+        log_train_round(server_round, c.last_round.replies, sent, rejected, c.last_round.failure)
         return result
 
     def run(self, server_round: int, grid: Grid, arrays: ArrayRecord, config: ConfigRecord,

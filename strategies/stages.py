@@ -10,10 +10,13 @@ phases), its round ends with :func:`strategies.rounds.end`, a loop over the run'
                     group's updates that came back): :mod:`strategies.privacy`
 ``defence``         screens, norm bounds, refill, each update against its sent model:
                     :mod:`strategies.defence`
+``trust``           each update weighted and rescaled by the server's reference update from
+                    its root set (FLTrust): :mod:`strategies.trust`
 ``replies``         the round's accepted replies counted, their metrics averaged
 ``observation``     the selector sees the kept updates (clustered sampling)
 ``weighting``       each update's weight in a mean, decided here only (the selector's, else
-                    ``num-examples``; unweighted under differential privacy), and the run's mean
+                    ``num-examples``; unweighted under differential privacy and under trust),
+                    and the run's mean
                     (:class:`strategies.aggregators.Mean`: a robust aggregator when configured)
 ``aggregate``       the method's :meth:`~strategies.method.Method.aggregate`
 ``dp_release``      the mean a one-model method releases, noised for the updates that came back
@@ -46,6 +49,7 @@ from strategies.aggregators import AggregationRefused, Mean, weights_of
 from strategies.contract import MEAN, MODELS, ONE_MODEL, PER_NODE, SECURE, release_of, release_refusal, steps_one_model
 from strategies.defence import check_model, defend, refuse, refused_settings
 from strategies.evaluation import client_metrics
+from strategies.trust import trusted
 
 
 @dataclass
@@ -187,6 +191,28 @@ class DefenceStage(Stage):
         c.observers.on_stage(end.server_round, judged, verdicts[0])
 
 
+class Trust(Stage):
+    """FLTrust's weights and rescaling against the server's reference update (:func:`strategies.trust.trusted`)."""
+
+    name = "trust"
+
+    @classmethod
+    def applies(cls, context: Any) -> bool:
+        return context.method.settings.defence.trust_root is not None
+
+    def __call__(self, end: RoundEnd) -> None:
+        if not end.updates:
+            return
+        c = self.context
+        if c.reference is None:
+            raise RuntimeError(f"strategy.defence.trust_root={c.method.settings.defence.trust_root} needs the server's "
+                               "training on its root set: the fedmm runner provides it (server_app/runner.py); a "
+                               "strategy in your own ServerApp sets strategy.context.reference to a function (the "
+                               "model a node was sent, the round) -> the model trained from it on the root set")
+        end.updates = trusted(end.updates, c.reference, end.server_round, [c.where(u.node_id, u.slot) for u in end.updates],
+                              end.rejected, c.method.round_log)
+
+
 class Replies(Stage):
     """The round's accepted replies counted, their metrics averaged into the round's numbers."""
 
@@ -222,8 +248,9 @@ class Weighting(Stage):
 
     def weights(self, updates: list[ClientUpdate]) -> list[float]:
         """Unweighted under differential privacy (example counts would let one client weigh
-        more); else the selector's weights where it decides them, else ``num-examples``."""
-        if self.context.privacy is not None:
+        more) and under trust (the trust stage's updates carry their weights: their plain mean
+        is FLTrust's); else the selector's weights where it decides them, else ``num-examples``."""
+        if self.context.privacy is not None or self.context.method.settings.defence.trust_root is not None:
             return [1.0] * len(updates)
         return weights_of(updates, self.context.selector.aggregation_weights(updates))
 
@@ -370,7 +397,7 @@ class Commit(Stage):
 
 
 #: Every stage, in the order a round's end runs them.
-STAGES: tuple[type[Stage], ...] = (PrivacyClip, DefenceStage, Replies, Observation, Weighting, Aggregation, PrivacyRelease,
+STAGES: tuple[type[Stage], ...] = (PrivacyClip, DefenceStage, Trust, Replies, Observation, Weighting, Aggregation, PrivacyRelease,
                                    ServerStep, Finite, Accounting, Commit)
 
 

@@ -153,6 +153,7 @@ def test_a_run_made_with_the_retired_robust_mean_resumes_as_it_ran() -> None:
      {"screen": 0.0, "sign_screen": 0.5, "adaptive_clip": 2.0, "adaptive_clip_to": "median"}),
     ("per_model", ("fedmr", "fedcross", "fedmr_async"),
      {"sign_screen": 0.5, "adaptive_clip": 2.0, "adaptive_clip_to": "median", "norm_screen": 3.0, "refill": "median"}),
+    ("trust", ("fedavg", "scaffold", "fedmr", "fedcross", "fedmut", "fedbuff"), {"trust_root": 100}),
 ])
 def test_each_defence_preset_composes_with_its_methods_and_sets_what_it_says(preset: str, strategies: tuple[str, ...],
                                                                               expected: dict) -> None:
@@ -201,3 +202,53 @@ def test_an_aggregator_that_tolerates_f_hostile_updates_refuses_to_run_without_f
     taker = next(o.split("=")[1].strip("[]") for o in overrides if "krum" in o or "trmean" in o or "nnm" in o)
     assert err.value.key == "strategy.defence.f" and f"at least 1 with {taker}" in str(err.value)
     assert compose([*overrides, "strategy.defence.f=1"]).strategy.defence.f == 1
+
+
+def test_a_run_whose_aggregator_refuses_every_round_ends_with_that_refusal_as_its_reason(tmp_path) -> None:  # noqa: ANN001
+    """A real in-process run of three nodes, one of which fails every round: the trimmed mean with
+    f = 1 takes the three updates it was configured for (n > 2f), never the two that come back.
+    The run ends as failed after max_failed_rounds rounds, and summary.json and the error say
+    that the aggregator refused the round's updates, not that a node did not answer."""
+    import json
+
+    from flwr.app import Context, Message
+    from flwr.clientapp import ClientApp
+    from flwr.serverapp import Grid, ServerApp
+
+    from client_app import client_app as real
+    from fedmm.config import to_container
+    from fedmm.local_engine import run_local_simulation
+    from server_app.runner import run_experiment
+    from strategies.ledger import RunFailed
+
+    run_dir = tmp_path / "run"
+    cfg = to_container(compose(["num_rounds=2", "num_clients=3", "clients_per_round=3", "training.local_epochs=1",
+                                "max_failed_rounds=2", "strategy.defence.aggregator=trmean", "strategy.defence.f=1",
+                                "simulation.vectorize=off", f"output_dir={run_dir}"]))
+    client = ClientApp()
+
+    @client.train()
+    def train(msg: Message, context: Context) -> Message:
+        if int(context.node_config["partition-id"]) == 0:
+            raise RuntimeError("partition 0 is down")
+        return real.train(msg, context)
+
+    errors: list[BaseException] = []
+    server = ServerApp()
+
+    @server.main()
+    def main(grid: Grid, context: Context) -> None:
+        try:
+            run_experiment(grid, cfg, num_supernodes=3)
+        except RunFailed as err:
+            errors.append(err)
+
+    run_local_simulation(server_app=server, client_app=client, num_supernodes=3)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    # round 1 ran (evaluated, checkpointed) and aggregated nothing; round 2's failure ended the run
+    assert summary["status"] == "failed" and summary["rounds_completed"] == 1, summary
+    for said in (summary["reason"], str(errors[0])):
+        # the refusal is the reason, first: not "no client reply was accepted", not the absent node
+        assert said.removeprefix("RunFailed: ").startswith("strategy.defence.aggregator=trmean refused the round's 2 "
+                                                           "updates (Cannot tolerate 2f ≥ n. Got f=1, n=2)"), said
+        assert "no client reply" not in said and "partition 0 is down" not in said, said

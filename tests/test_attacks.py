@@ -276,3 +276,67 @@ def test_the_optimized_attacks_search_against_the_runs_aggregator() -> None:
     assert isinstance(attack.agg, byzfl.TrMean) and attack.agg.f == 2 and isinstance(attack.pre_agg_list[0], byzfl.NNM)
     plain = faults.colluding_attack("optipm", 1, {"aggregator": "mean"})
     assert isinstance(plain.agg, byzfl.Average) and plain.pre_agg_list == []
+
+
+#: The per-model preset (conf/strategy/defence/per_model.yaml) as a run's strategy.defence.
+PER_MODEL_PRESET = {"sign_screen": 0.5, "adaptive_clip": 2.0, "adaptive_clip_to": "median", "norm_screen": 3.0,
+                    "refill": "median"}
+
+
+def honest_round(n: int = 8, d: int = 200) -> np.ndarray:
+    """Honest updates that agree in direction (+1 on every coordinate) with noise of varied scale."""
+    rng = np.random.default_rng(0)
+    return 1.0 + rng.normal(0.0, 1.0, (n, d)) * rng.uniform(0.5, 2.0, d)
+
+
+def test_the_tuned_attacks_search_against_the_screens() -> None:
+    """Against the per-model preset, ALIE searched against the plain mean (``optalie``: what the
+    stage keeps of the mean) picks a factor whose update the norm screen rejects, and its slots
+    take the round's median; the tuned one searches through the round's own defence
+    (:class:`faults.DefendedAggregate`), stays under the norm screen and moves the round's step
+    several times as far from the honest mean."""
+    from fedmm.protocol import ClientUpdate
+    from strategies.defence import Defence, DefenceSettings
+
+    honest = honest_round()
+    judge = faults.DefendedAggregate(PER_MODEL_PRESET, 2, per_node=True)
+
+    def harm(vector: np.ndarray) -> float:
+        return float(np.linalg.norm(judge(np.concatenate([honest, [vector, vector]])) - honest.mean(axis=0)))
+
+    tuned = faults.colluding_attack("tunedalie", 2, PER_MODEL_PRESET, per_node=True)
+    untuned = faults.colluding_attack("optalie", 2, PER_MODEL_PRESET, per_node=True)
+    t, u = tuned(honest.copy()), untuned(honest.copy())
+    assert harm(t) > 3 * harm(u), (harm(t), harm(u))
+    # the tuned update passes the screens; the untuned one does not
+    zero = {"w": np.zeros(honest.shape[1])}
+    verdict = Defence(DefenceSettings.from_dict({**DefenceSettings().to_dict(), **PER_MODEL_PRESET})).screen_and_bound(
+        [ClientUpdate(i, i, {"w": v}, 1.0, {}) for i, v in enumerate([*honest, t, t, u])], [zero] * 11)
+    assert sorted(u.node_id for u, _ in verdict.rejected) == [10]
+
+
+def test_the_tuned_mimic_copies_the_update_that_moves_the_defended_step_farthest() -> None:
+    """An honest node far out (node 3, five times the others' norm) is the copy that moves a
+    plain mean farthest; the norm screen rejects its copies, so the tuned Mimic copies another."""
+    honest = honest_round()
+    honest[3] *= 5
+    judge = faults.DefendedAggregate(PER_MODEL_PRESET, 1, per_node=True)
+    harms = [np.linalg.norm(judge(np.concatenate([honest, h[None]])) - honest.mean(axis=0)) for h in honest]
+    copied = faults.colluding_attack("tunedmimic", 1, PER_MODEL_PRESET, per_node=True)(honest.copy())
+    np.testing.assert_array_equal(copied, honest[int(np.argmax(harms))])
+    assert int(np.argmax(harms)) not in (0, 3)  # byzfl's Mimic copies the first; the plain mean's choice is node 3
+
+
+def test_the_tuned_search_judges_a_share_of_a_large_entry_and_answers_on_every_coordinate() -> None:
+    """An entry above SEARCH_WHOLE values is judged on a share of them, the output layer whole; the
+    hostile update is ALIE at the chosen factor on every coordinate of the honest updates."""
+    import byzfl
+
+    layout = [("body.weight", (300, 100)), ("head.weight", (10, 30)), ("head.bias", (10,))]
+    honest = honest_round(d=30_310)
+    attack = faults.colluding_attack("tunedalie", 2, PER_MODEL_PRESET, per_node=True)
+    attack.agg.see(layout)
+    assert attack.agg.layout == [("body.weight", (faults.SEARCH_WHOLE,)), ("head.weight", (10, 30)), ("head.bias", (10,))]
+    assert len(attack.agg.index) == faults.SEARCH_WHOLE + 310 and attack.agg.index[-310:].tolist() == list(range(30_000, 30_310))
+    vector = attack(honest.copy())
+    np.testing.assert_allclose(vector, byzfl.ALittleIsEnough(tau=attack.tau)(honest.copy()))

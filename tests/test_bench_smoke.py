@@ -208,3 +208,24 @@ def test_the_field_table_shows_a_failed_run_as_failed_and_pairs_the_gaps_seed_by
     text = bench.table(tmp_path, ["none", "default"])
     line = next(line for line in text.splitlines() if line.startswith("| fedavg | alie | 1 |"))
     assert line == "| fedavg | alie | 1 | failed n=1 | 0.610 (-9.0, **+1.0**) n=2 |", line
+
+
+def test_the_field_goal_counts_the_cells_within_two_points_per_method_and_defence(tmp_path: Path) -> None:
+    """bench/field_attacks.py --goal: per defence and hostile count, the attacks whose mean paired
+    gap to the federation without the hostile nodes is at least −2 points, of those measured."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("field_attacks", ROOT / "bench" / "field_attacks.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def row(fault: str, acc: float) -> dict:
+        return {"fault": fault, "final_accuracy": acc, "status": "completed"}
+
+    rows = [row("clean+defence", 0.8), row("absent-1+defence", 0.70), row("alie-1+defence", 0.681),
+            row("tunedalie-1+defence", 0.67), row("absent-2+defence", 0.6), row("ipm-2+defence", 0.65)]
+    (tmp_path / "fedmr_trust_s0.json").write_text(json.dumps({"method": "fedmr", "defence": "trust", "seed": 0, "rows": rows}))
+    lines = bench.goal(tmp_path, ["trust"]).splitlines()
+    assert lines[2] == "| trust | 1 | 1/2 (n=1) | 1/2 |" and lines[3] == "| trust | 2 | 1/1 (n=1) | 1/1 |", lines
+    table = bench.table(tmp_path, ["trust"])  # the optimized attacks of byzfl's search are the untuned rows
+    assert "| fedmr | optalie (untuned) | 1 | – |" in table and "| fedmr | tunedalie | 1 | 0.670 (-13.0, -3.0) n=1 |" in table

@@ -263,6 +263,8 @@ DEFENCES = [
     ("class_screen", ["0.3"], "labelflip"),
     ("refill", ["median", "strategy.defence.norm_screen=3.0"], "flip"),
     ("krum_screen", ["true", "strategy.defence.f=1"], "flip"),
+    ("trust_root", ["100"], "flip"),
+    ("trust_root", ["100"], "scale"),
     ("aggregator", ["median"], "scale"),
     ("aggregator", ["trmean", "strategy.defence.f=1"], "scale"),
     ("aggregator", ["multikrum", "strategy.defence.f=1"], "scale"),
@@ -294,6 +296,9 @@ def run_one_round(name: str, overrides: list[str], attack: str | None) -> list[n
 
     cfg = compose([f"strategy={name}", "num_clients=5", "clients_per_round=5", *all_back(name, overrides), *overrides])
     strategy = build_strategy(cfg)
+    # the server's reference update (the trust stage): the honest direction, +1 on every weight
+    strategy.context.reference = lambda sent, _: {k: v + 1 if np.issubdtype(v.dtype, np.floating) else v
+                                                  for k, v in sent.items()}
     # a body and a classifier head (FedGen shapes its generator for the head)
     initial = {"body.weight": np.zeros((4, 3), np.float32), "head.weight": np.zeros((3, 4), np.float32),
                "head.bias": np.zeros(3, np.float32), "bn.num_batches_tracked": np.array(0)}
