@@ -430,3 +430,22 @@ def test_the_noise_multiplier_for_a_budget_is_the_smallest_that_keeps_it() -> No
     z = noise_multiplier_for(4.0, 1e-3, 3, 5, 10)
     assert epsilon(z) <= 4.0 < epsilon(z * 0.997), (z, epsilon(z))
     assert noise_multiplier_for(4.0, 1e-3, 3, 5, 10, sampling="public") > z  # no amplification: more noise
+
+
+@pytest.mark.parametrize(("step", "clip", "expected"), [(0.05, 1.0, 0.05 * np.sqrt(2)), (0.35, 0.25, 0.25)])
+def test_an_update_below_c_is_kept_as_it_is_and_one_above_is_scaled_to_c(step: float, clip: float, expected: float) -> None:
+    """Mutation testing's survivors: an update of norm 0.07 under C = 1 is neither scaled up nor
+    changed, and one of norm 0.49 (below 1) above C = 0.25 is clipped to C."""
+    seen = Updates()
+    run_rounds(["num_clients=2", "clients_per_round=2", f"strategy.privacy.clip_norm={clip}",
+                "strategy.privacy.noise_multiplier=1e-9"], returning(step, directions=True), observers=[seen])
+    for model, sent in seen.rounds[0]:
+        norm = np.sqrt(sum(float(np.sum((model[k].astype(np.float64) - sent[k]) ** 2)) for k in ("a.weight", "b.weight")))
+        assert norm == pytest.approx(expected, rel=1e-4)
+
+
+def test_only_client_clipping_sends_c_in_every_train_message() -> None:
+    base = ["num_clients=4", "clients_per_round=2", "strategy.privacy.clip_norm=0.5"]
+    assert build_strategy(compose([*base, "strategy.privacy.clipping=client"])).context.privacy.train_config() == \
+        {"clipping_norm": 0.5}
+    assert build_strategy(compose(base)).context.privacy.train_config() == {}

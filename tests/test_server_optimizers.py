@@ -103,6 +103,17 @@ def test_fedyogi_and_fedadagrad_step_by_hand() -> None:
     assert yogi.dtype == adagrad.dtype == np.float32
 
 
+def test_a_coordinate_that_does_not_move_keeps_yogis_moment_at_zero() -> None:
+    """Yogi's sign(v − δ²) is 0 where v = δ² (a frozen coordinate: v = 0, δ = 0 from the first
+    round): v stays 0 and the model stays where it was (a mutant dividing by the sign made it NaN)."""
+    from strategies.fedyogi import FedYogi
+
+    x = {"w": np.array([1.0, -2.0], np.float32)}
+    yogi = FedYogi()
+    moved = yogi.step(1, x, {"w": np.array([1.0, -2.5], np.float32)})["w"]
+    assert moved[0] == 1.0 and yogi.v["w"][0] == 0.0 and np.isfinite(moved).all()
+
+
 def test_the_optimizers_moments_survive_a_checkpoint() -> None:
     """Rounds 1-2, the state saved, a new strategy loads it: round 3 equals the uninterrupted run's."""
     whole = FedAvg(4, 0, server_optimizer=FedAdam())
