@@ -19,7 +19,7 @@ from strategies import FedAvg, FedMR, FedNova, Scaffold
 from strategies.aggregators import Mean
 from strategies.fedadam import FedAdam
 from strategies.fedavgm import FedAvgM
-from tests.fakes import FakeGrid
+from tests.fakes import FakeGrid, train_rounds
 
 #: Four nodes whose update depends on the model they get and on the node (float32, two entries).
 INITIAL = {"w": np.linspace(-1, 1, 6, dtype=np.float32).reshape(2, 3), "b": np.array([0.5, -0.25], np.float32)}
@@ -37,14 +37,7 @@ def node(msg: Message, key: str) -> RecordDict:
 def rounds_of(strategy, rounds: int = 4) -> list[dict[str, np.ndarray]]:  # noqa: ANN001
     """The global arrays after each round, driving ``strategy`` through Flower's API (as Flower's
     own ``start`` does) over the same four nodes."""
-    grid = FakeGrid(node, num_nodes=4)
-    arrays = protocol.model_to_record(INITIAL)
-    out = []
-    for server_round in range(1, rounds + 1):
-        messages = list(strategy.configure_train(server_round, arrays, ConfigRecord({"x": 1}), grid))
-        arrays, _ = strategy.aggregate_train(server_round, grid.send_and_receive(messages))
-        out.append({n: np.asarray(a.numpy(), np.float64) for n, a in arrays.items()})
-    return out
+    return train_rounds(strategy, node, INITIAL, rounds)
 
 
 def flower_strategy(cls, **kwargs):  # noqa: ANN001, ANN003, ANN201
